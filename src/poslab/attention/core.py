@@ -1,0 +1,85 @@
+"""One attention call, two paths.
+
+``sdpa`` (default) sends everything through ``torch.nn.functional.scaled_dot_product_attention``:
+several dot-product terms are concatenated along the head dim (their dot products add up), additive
+biases and masks fold into one float mask. ``eager`` computes each logit term on its own and returns
+them with the attention probabilities, which analysis needs. Both compute the same function
+(tests/test_attention.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("auto", "sdpa", "eager", "triton")
+
+
+def mask_bias(n: int, m: int, *, causal: bool, key_padding: torch.Tensor | None, device, q_offset: int = 0
+              ) -> torch.Tensor | None:
+    """Additive (batch or 1, 1, n, m) mask of 0 / -inf, or None when nothing is masked.
+
+    key_padding (batch, m) is 1 for real tokens. A query may always see its own position, so rows of
+    padding queries stay finite (their outputs are ignored, but NaNs would poison gradients).
+    """
+    if not causal and key_padding is None:
+        return None
+    q_idx = torch.arange(n, device=device)[:, None] + q_offset
+    k_idx = torch.arange(m, device=device)[None, :]
+    allowed = torch.ones(1, 1, n, m, dtype=torch.bool, device=device)
+    if causal:
+        allowed = allowed & (k_idx <= q_idx)
+    if key_padding is not None:
+        allowed = allowed & (key_padding.bool()[:, None, None, :] | (k_idx == q_idx))
+    return torch.zeros(allowed.shape, device=device).masked_fill(~allowed, float("-inf"))
+
+
+def attend(
+    qk: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    v: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool,
+    biases: dict[str, torch.Tensor] | None = None,
+    key_padding: torch.Tensor | None = None,
+    eager: bool = False,
+    values: dict[str, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor] | None]:
+    """softmax(scale * sum_t q_t k_t^T + sum_b bias_b + mask) @ v.
+
+    qk:      named (q, k) pairs, q (batch, heads, n, d_t), k (batch, heads, m, d_t); each is one logit term
+    v:       (batch, heads, m, d_v)
+    biases:  named additive terms (batch or 1, heads, n, m), already in logit units
+    values:  extra value tensors (batch, heads, m, d_x) that share the same attention weights
+             (DSTG's per-stream values); their outputs come back in the same order after ``v``'s
+    Returns (out (batch, heads, n, d_v [+ d_x...]), probs or None, {term: logits} or None); probs and
+    terms only on the eager path.
+    """
+    biases = {name: b for name, b in (biases or {}).items() if b is not None}
+    vs = [v, *(values or {}).values()]
+    n, m = next(iter(qk.values()))[0].shape[-2], v.shape[-2]
+    mask = mask_bias(n, m, causal=causal, key_padding=key_padding, device=v.device)
+    if eager:
+        terms = {name: scale * (q.float() @ k.float().transpose(-1, -2)) for name, (q, k) in qk.items()}
+        terms.update({name: b.float().expand_as(next(iter(terms.values()))) for name, b in biases.items()})
+        logits = sum(terms.values())
+        if mask is not None:
+            logits = logits + mask
+        probs = torch.softmax(logits, dim=-1)
+        out = torch.cat([(probs.to(x.dtype) @ x) for x in vs], dim=-1)
+        return out, probs, terms
+    q = torch.cat([q for q, _ in qk.values()], dim=-1)
+    k = torch.cat([k for _, k in qk.values()], dim=-1)
+    v_all = torch.cat(vs, dim=-1)
+    additive = None
+    for b in biases.values():
+        additive = b.to(q.dtype) if additive is None else additive + b.to(q.dtype)
+    use_is_causal = causal and additive is None and key_padding is None
+    if mask is not None and not use_is_causal:
+        additive = mask.to(q.dtype) if additive is None else additive + mask.to(q.dtype)
+    # SDPA's fused kernels need equal q/k and v head dims; otherwise torch falls back to its slow math
+    # path. Zero-padding v keeps the fused kernel and costs only the extra PV columns.
+    d_v = v_all.shape[-1]
+    if d_v < q.shape[-1]:
+        v_all = F.pad(v_all, (0, q.shape[-1] - d_v))
+    out = F.scaled_dot_product_attention(q, k, v_all, attn_mask=additive, is_causal=use_is_causal, scale=scale)
+    return out[..., :d_v], None, None

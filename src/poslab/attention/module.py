@@ -1,0 +1,68 @@
+"""Multi-head self-attention that asks its positional scheme what to do, never which scheme it is."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from poslab.attention.core import attend
+from poslab.errors import ConfigError
+from poslab.positional.base import LayerPositional
+
+
+class MultiHeadAttention(nn.Module):
+    """x (batch, n, d_model) -> (batch, n, d_model).
+
+    ``positional`` is this layer's scheme module (or None). It is held by reference, not registered:
+    the model owns each scheme module once, so a module shared by all layers is saved once.
+    ``backend``: "auto" (a scheme's fused kernel when it has one for these inputs, else SDPA),
+    "sdpa", "eager", or "triton" (the fused kernel or an error).
+    """
+
+    def __init__(self, d_model: int, n_heads: int, *, causal: bool, positional: LayerPositional | None,
+                 backend: str = "auto") -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.causal, self.backend = n_heads, d_model // n_heads, causal, backend
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.out = nn.Linear(d_model, d_model, bias=False)
+        self.__dict__["positional"] = positional
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, key_padding: torch.Tensor | None = None,
+                capture=None, name: str = "attn") -> torch.Tensor:
+        """positions (batch or 1, n) long; key_padding (batch, n), 1 = real token."""
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        scale = 1.0 / math.sqrt(self.head_dim)
+        pos = self.positional
+        wanted_terms = [f"{name}.logits.content", f"{name}.logits.bias"]
+        eager = self.backend == "eager" or (capture is not None and capture.wants_some([f"{name}.probs", *wanted_terms]))
+        inspect = eager or (capture is not None and capture.wants_some([f"{name}.q", f"{name}.k"]))
+        if pos is not None and capture is not None and capture.wants_some([f"{name}.freq_norms.q", f"{name}.freq_norms.k"]):
+            norms = pos.qk_frequency_norms(q, k)
+            if norms is not None:
+                capture.record(f"{name}.freq_norms.q", norms[0])
+                capture.record(f"{name}.freq_norms.k", norms[1])
+
+        if pos is not None and self.backend in ("auto", "triton") and not inspect:
+            fused = pos.fused_attention(q, k, v, positions, positions, causal=self.causal, scale=scale,
+                                        key_padding=key_padding)
+            if fused is not None:
+                return self.out(fused.transpose(1, 2).reshape(b, n, -1))
+        if self.backend == "triton":
+            raise ConfigError("attn_backend 'triton' needs a CUDA GPU with Triton and a scheme that has a fused "
+                              "kernel (pope); use attn_backend 'auto' or 'sdpa'")
+
+        bias = None
+        if pos is not None:
+            q, k = pos.transform_qk(q, k, positions, positions)
+            bias = pos.logit_bias(positions, positions)
+        out, probs, terms = attend({"content": (q, k)}, v, scale=scale, causal=self.causal,
+                                   biases={"bias": bias}, key_padding=key_padding, eager=eager)
+        if capture is not None:
+            capture.record(f"{name}.q", q)
+            capture.record(f"{name}.k", k)
+            capture.record(f"{name}.probs", probs)
+            for term, logits in (terms or {}).items():
+                capture.record(f"{name}.logits.{term}", logits)
+        return self.out(out.transpose(1, 2).reshape(b, n, -1))

@@ -1,0 +1,88 @@
+"""Pure tensor functions, no state. The names below are a contract (DESIGN.md): other code and checks
+call them, so their meaning does not change without a deprecation.
+
+Shapes: ``(batch, heads, n, d)`` for attention inputs, positions 0-based.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from poslab.analysis.similarity import adjacency_score, cosine_self_similarity
+
+__all__ = [
+    "adjacency_score",
+    "cosine_self_similarity",
+    "pope_frequencies",
+    "pope_polar",
+    "pope_scores",
+    "pope_attention",
+]
+
+
+def pope_frequencies(d: int, base: float = 10000.0, device=None) -> torch.Tensor:
+    """theta_c = base^(-c/d) for c = 0..d-1: d frequencies, one per component (not d/2 pairs). (d,) fp32."""
+    return base ** (-torch.arange(d, device=device, dtype=torch.float32) / d)
+
+
+def pope_polar(
+    x: torch.Tensor, positions: torch.Tensor, theta: torch.Tensor, phase_bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """PoPE's Cartesian form: [mu cos(phi), mu sin(phi)] with mu = softplus(x), phi = pos * theta (+ bias).
+
+    x (batch, heads, n, d); positions (n,) or (batch, n); theta (d,); phase_bias (heads, d) or None.
+    Returns (batch, heads, n, 2d) in x's dtype. Phases are computed in fp32 because pos * theta loses
+    the fractional part in half precision long before positions reach 10^4.
+    """
+    pos = positions.to(torch.float32)
+    pos = pos[None, None, :, None] if pos.dim() == 1 else pos[:, None, :, None]
+    phase = pos * theta.to(torch.float32)  # (b|1, 1, n, d)
+    if phase_bias is not None:
+        phase = phase + phase_bias.to(torch.float32)[None, :, None, :]
+    mu = F.softplus(x.float())
+    return torch.cat([mu * torch.cos(phase), mu * torch.sin(phase)], dim=-1).to(x.dtype)
+
+
+def pope_scores(
+    q: torch.Tensor, k: torch.Tensor, delta: torch.Tensor | None = None, base: float = 10000.0,
+    q_positions: torch.Tensor | None = None, k_positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The explicit formula a_ts = sum_c mu_q,c mu_k,c cos((s - t) theta_c + delta_c), unscaled.
+
+    q (batch, heads, n, d), k (batch, heads, m, d) -> (batch, heads, n, m). O(n m d) memory: a
+    reference for tests, not a fast path.
+    """
+    n, m, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    t = torch.arange(n, device=q.device) if q_positions is None else q_positions
+    s = torch.arange(m, device=q.device) if k_positions is None else k_positions
+    theta = pope_frequencies(d, base, q.device).double()
+    rel = (s.double()[None, :] - t.double()[:, None])[..., None] * theta  # (n, m, d)
+    if delta is not None:
+        rel = rel[None] + delta.double()[:, None, None, :]  # (heads, n, m, d)
+    mu_q, mu_k = F.softplus(q.double()), F.softplus(k.double())
+    return torch.einsum("bhnc,bhmc,...nmc->bhnm", mu_q, mu_k, torch.cos(rel)).to(q.dtype)
+
+
+def pope_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delta: torch.Tensor | None = None, *,
+    base: float = 10000.0, causal: bool = False, scale: float | None = None,
+) -> torch.Tensor:
+    """softmax(scale * a_ts) @ v with the PoPE score a_ts (see ``pope_scores``); positions 0..n-1.
+
+    q, k, v (batch, heads, n, d); delta (heads, d) or None; scale defaults to 1/sqrt(d) (the pre-doubling
+    d, as in the reference implementation). Returns (batch, heads, n, d). Runs the fused Triton kernel
+    on CUDA when it is available, otherwise the Cartesian form through SDPA.
+    """
+    from poslab.attention.pope import pope_sdpa  # late: attention imports this module
+
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if q.is_cuda:
+        from poslab.kernels import triton_available
+
+        if triton_available():
+            from poslab.kernels.pope_flash import pope_flash_attention
+
+            return pope_flash_attention(q, k, v, delta, base=base, causal=causal, scale=scale)
+    return pope_sdpa(q, k, v, delta, base=base, causal=causal, scale=scale)

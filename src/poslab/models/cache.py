@@ -1,0 +1,54 @@
+"""Named activation capture (TransformerLens-style, without hooks or monkey-patching).
+
+Models take ``capture=ActivationCache(patterns)`` and record tensors under dotted names:
+``embed``, ``blocks.{i}.resid_pre``, ``blocks.{i}.attn.q`` / ``.k`` (after the positional transform),
+``blocks.{i}.attn.freq_norms.q`` / ``.k``, ``blocks.{i}.attn.probs`` (batch, heads, n, m),
+``blocks.{i}.attn.logits.{term}`` (each additive logit term: ``content``/``bias``; DSTG: ``ap``/``sem``/
+``rp``), ``blocks.{i}.attn_out``, ``blocks.{i}.resid_mid``, ``blocks.{i}.resid_post``, ``final``. Only
+names matching a pattern are kept, so memory stays small; asking for probabilities or logit terms
+switches that layer to the eager attention path.
+"""
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Iterator
+
+import torch
+
+
+class ActivationCache:
+    def __init__(self, patterns: Iterable[str] | str | None = None, detach: bool = True) -> None:
+        """patterns: glob patterns (``blocks.*.resid_post``); None keeps everything."""
+        self.patterns = [patterns] if isinstance(patterns, str) else (None if patterns is None else list(patterns))
+        self.detach = detach
+        self.store: dict[str, torch.Tensor] = {}
+
+    def wants(self, name: str) -> bool:
+        return self.patterns is None or any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
+
+    def wants_some(self, names: Iterable[str]) -> bool:
+        return any(self.wants(name) for name in names)
+
+    def record(self, name: str, value: torch.Tensor | None) -> None:
+        if value is not None and self.wants(name):
+            self.store[name] = value.detach() if self.detach else value
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.store:
+            raise KeyError(f"'{name}' was not captured; captured: {', '.join(sorted(self.store)) or 'nothing'}")
+        return self.store[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.store
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.store)
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def items(self):
+        return self.store.items()
+
+    def keys(self):
+        return self.store.keys()

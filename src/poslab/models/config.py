@@ -1,0 +1,96 @@
+"""The model configuration: a typed dataclass validated when it is built."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from poslab.attention import BACKENDS
+from poslab.errors import ConfigError, require, unknown_key_message
+from poslab.positional import PositionalConfig
+
+ARCHS = ("decoder", "encoder")
+NORMS = ("rmsnorm", "layernorm")
+MLPS = ("swiglu", "gelu")
+
+
+@dataclass
+class ModelConfig:
+    """A decoder (GPT-style, causal, LM head) or encoder (NeoBERT-style, bidirectional, MLM head).
+
+    ``ffn_hidden`` None means 4 * d_model for GELU and NeoBERT's int(2 * 4 * d_model / 3) for SwiGLU
+    (the same parameter count). Weights start from normal(init_mean, init_std): the adjacency study
+    ablates both.
+    """
+
+    arch: str = "decoder"
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    ffn_hidden: int | None = None
+    max_seq_len: int = 512
+    positional: PositionalConfig = field(default_factory=PositionalConfig)
+    #: None = the architecture's own: layernorm + gelu (nanoGPT) for decoders, rmsnorm + swiglu (NeoBERT) for encoders.
+    norm: str | None = None
+    mlp: str | None = None
+    norm_eps: float = 1e-5
+    init_mean: float = 0.0
+    init_std: float = 0.02
+    tie_embeddings: bool = False
+    attn_backend: str = "auto"
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.positional, dict):
+            self.positional = PositionalConfig(**_known(self.positional, PositionalConfig, "positional"))
+        require(self.arch in ARCHS, f"arch must be one of {', '.join(ARCHS)}, got '{self.arch}'")
+        self.norm = self.norm or ("layernorm" if self.arch == "decoder" else "rmsnorm")
+        self.mlp = self.mlp or ("gelu" if self.arch == "decoder" else "swiglu")
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and value > 0, f"{name} must be a positive integer, got {value!r}")
+        require(self.d_model % self.n_heads == 0,
+                f"n_heads ({self.n_heads}) must divide d_model ({self.d_model}); change one of them")
+        require(self.ffn_hidden is None or self.ffn_hidden > 0, f"ffn_hidden must be positive, got {self.ffn_hidden}")
+        require(self.norm in NORMS, f"norm must be one of {', '.join(NORMS)}, got '{self.norm}'")
+        require(self.mlp in MLPS, f"mlp must be one of {', '.join(MLPS)}, got '{self.mlp}'")
+        require(self.init_std > 0, f"init_std must be > 0, got {self.init_std}")
+        require(self.norm_eps > 0, f"norm_eps must be > 0, got {self.norm_eps}")
+        require(self.attn_backend in BACKENDS,
+                f"attn_backend must be one of {', '.join(BACKENDS)}, got '{self.attn_backend}'")
+        require(self.pad_token_id is None or 0 <= self.pad_token_id < self.vocab_size,
+                f"pad_token_id must lie in [0, vocab_size), got {self.pad_token_id}")
+
+    @property
+    def causal(self) -> bool:
+        return self.arch == "decoder"
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        return 4 * self.d_model if self.mlp == "gelu" else int(2 * 4 * self.d_model / 3)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["positional"] = self.positional.to_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
+        return cls(**_known(values, cls, "model"))
+
+
+def _known(values: dict[str, Any], cls: type, kind: str) -> dict[str, Any]:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{kind} config must be a mapping, got {type(values).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in values:
+        if key not in names:
+            raise ConfigError(unknown_key_message(f"{kind} key", key, names))
+    return dict(values)

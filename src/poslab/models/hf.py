@@ -1,0 +1,175 @@
+"""Hugging Face packaging: a ``PreTrainedConfig`` and ``PreTrainedModel``s that the Auto classes load
+after ``import poslab`` (registration happens in ``poslab/models/__init__.py``).
+
+The poslab ``ModelConfig`` is the source of truth; ``PoslabConfig`` carries it as a dict (``poslab``),
+validates it on construction and mirrors the few attributes the Hugging Face machinery reads.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_outputs import BaseModelOutput, CausalLMOutput, MaskedLMOutput
+
+from poslab.errors import ConfigError
+from poslab.models.blocks import Block, make_norm
+from poslab.models.config import ModelConfig
+from poslab.positional import AttentionGeometry, InputPositional, LayerPositional, build_positional
+
+
+class PoslabConfig(PreTrainedConfig):
+    model_type = "poslab"
+    poslab: dict | None = None
+
+    def __post_init__(self, **kwargs) -> None:
+        spec = ModelConfig.from_dict(self.poslab or {})
+        self.poslab = spec.to_dict()
+        self.vocab_size = spec.vocab_size
+        self.hidden_size = spec.d_model
+        self.num_hidden_layers = spec.n_layers
+        self.num_attention_heads = spec.n_heads
+        self.max_position_embeddings = spec.max_seq_len
+        self.tie_word_embeddings = spec.tie_embeddings
+        self.pad_token_id = spec.pad_token_id
+        self.is_decoder = spec.causal
+        super().__post_init__(**kwargs)
+
+    @property
+    def spec(self) -> ModelConfig:
+        return ModelConfig.from_dict(self.poslab)
+
+
+class PoslabPreTrainedModel(PreTrainedModel):
+    config_class = PoslabConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["Block"]
+    _supports_sdpa = True
+
+    def _init_weights(self, module: nn.Module) -> None:
+        spec = self.config.spec
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            init.normal_(module.weight, mean=spec.init_mean, std=spec.init_std)
+            if getattr(module, "bias", None) is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+            init.ones_(module.weight)
+        elif isinstance(module, (InputPositional, LayerPositional)):
+            module.init_weights(spec.init_mean, spec.init_std)
+
+
+class PoslabModel(PoslabPreTrainedModel):
+    """The trunk: token embedding (+ input positional), blocks, final norm.
+    input_ids (batch, n) -> last_hidden_state (batch, n, d_model)."""
+
+    def __init__(self, config: PoslabConfig) -> None:
+        super().__init__(config)
+        spec = config.spec
+        self.embed = nn.Embedding(spec.vocab_size, spec.d_model)
+        geometry = AttentionGeometry(spec.n_layers, spec.n_heads, spec.head_dim, spec.d_model, spec.max_seq_len,
+                                     spec.causal)
+        input_pos, layer_pos = build_positional(spec.positional, geometry)
+        self.input_positional = input_pos
+        # Each scheme module is owned once here; blocks hold references (a shared module is saved once).
+        unique: list[nn.Module] = []
+        for module in layer_pos:
+            if module is not None and all(module is not u for u in unique):
+                unique.append(module)
+        self.layer_positional = nn.ModuleList(unique)
+        self.blocks = nn.ModuleList(Block(spec, pos) for pos in layer_pos)
+        self.final_norm = make_norm(spec.norm, spec.d_model, spec.norm_eps)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.embed = value
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, capture=None, **_unused) -> BaseModelOutput:
+        """attention_mask (batch, n) 1 = real token; position_ids (batch, n), default 0..n-1."""
+        n = input_ids.shape[1]
+        positions = position_ids if position_ids is not None else torch.arange(n, device=input_ids.device)[None]
+        key_padding = None if attention_mask is None or bool(attention_mask.all()) else attention_mask
+        x = self.embed(input_ids)
+        if self.input_positional is not None:
+            x = self.input_positional(x, positions)
+        if capture is not None:
+            capture.record("embed", x)
+        for i, block in enumerate(self.blocks):
+            if capture is not None:
+                capture.record(f"blocks.{i}.resid_pre", x)
+            x = block(x, positions, key_padding, capture, f"blocks.{i}")
+            if capture is not None:
+                capture.record(f"blocks.{i}.resid_post", x)
+        x = self.final_norm(x)
+        if capture is not None:
+            capture.record("final", x)
+        return BaseModelOutput(last_hidden_state=x)
+
+
+class PoslabForCausalLM(PoslabPreTrainedModel, GenerationMixin):
+    """GPT-style decoder with an LM head (optionally tied to the embedding). Labels are not shifted:
+    logits at position i are scored against labels at i + 1, -100 ignored."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed.weight"}
+
+    def __init__(self, config: PoslabConfig) -> None:
+        super().__init__(config)
+        if not config.spec.causal:
+            raise ConfigError("a causal LM needs arch 'decoder'; encoders load with AutoModelForMaskedLM")
+        self.model = PoslabModel(config)
+        self.lm_head = nn.Linear(config.spec.d_model, config.spec.vocab_size, bias=False)
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                capture=None, **_unused) -> CausalLMOutput:
+        hidden = self.model(input_ids, attention_mask, position_ids, capture).last_hidden_state
+        logits = self.lm_head(hidden)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        return CausalLMOutput(loss=loss, logits=logits)
+
+
+class MLMHead(nn.Module):
+    """NeoBERT's untied decoder: a biased linear map from the final hidden state to the vocabulary."""
+
+    def __init__(self, d_model: int, vocab_size: int) -> None:
+        super().__init__()
+        self.decoder = nn.Linear(d_model, vocab_size, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(x)
+
+
+class PoslabForMaskedLM(PoslabPreTrainedModel):
+    """NeoBERT-style encoder with an MLM head. Labels hold the original ids at masked positions, -100
+    elsewhere."""
+
+    def __init__(self, config: PoslabConfig) -> None:
+        super().__init__(config)
+        if config.spec.causal:
+            raise ConfigError("a masked LM needs arch 'encoder'; decoders load with AutoModelForCausalLM")
+        self.model = PoslabModel(config)
+        self.mlm_head = MLMHead(config.spec.d_model, config.spec.vocab_size)
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.mlm_head.decoder
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                capture=None, **_unused) -> MaskedLMOutput:
+        hidden = self.model(input_ids, attention_mask, position_ids, capture).last_hidden_state
+        logits = self.mlm_head(hidden)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+        return MaskedLMOutput(loss=loss, logits=logits)

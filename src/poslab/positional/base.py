@@ -1,0 +1,113 @@
+"""How a positional scheme plugs into a Transformer.
+
+A scheme can touch attention at three points (DESIGN.md), and most use one:
+
+1. the input        -- ``InputPositional.forward(x, positions)`` adds to (or sits beside) the embeddings;
+2. queries and keys -- ``LayerPositional.transform_qk(q, k, q_pos, k_pos)`` rotates them (RoPE) or maps
+                       them to magnitudes and phases (PoPE, which returns 2d-wide q/k);
+3. the logits       -- ``LayerPositional.logit_bias(q_pos, k_pos)`` returns an additive
+                       (heads, q_len, k_len) bias (T5 buckets, ALiBi).
+
+A scheme is a class registered under a name (``positional/__init__.py``); ``Scheme.build`` makes the
+modules a model needs: at most one input module, and one layer module per attention layer (the same
+instance may be returned for every layer when parameters are shared). The attention module only calls
+these hooks; it never asks which scheme it holds.
+"""
+from __future__ import annotations
+
+import abc
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+
+@dataclass
+class PositionalConfig:
+    """Which scheme and its options. ``options`` are validated by the scheme's own options dataclass."""
+
+    name: str = "rope"
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from poslab.positional import get_scheme  # late import: the registry imports this module
+
+        self.options = dict(self.options or {})
+        get_scheme(self.name).Options(**self.options)  # raises ConfigError on bad options
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "options": dict(self.options)}
+
+
+@dataclass(frozen=True)
+class AttentionGeometry:
+    """What a scheme needs to know about the model it is built into."""
+
+    n_layers: int
+    n_heads: int
+    head_dim: int
+    d_model: int
+    max_seq_len: int
+    causal: bool
+
+
+class InputPositional(nn.Module, abc.ABC):
+    """Adds position to the token embeddings. Parameters are plain ``nn.Parameter``s initialised by
+    ``init_weights`` (never nn.Linear/nn.Embedding children, which the model's generic init would reset)."""
+
+    def init_weights(self, mean: float, std: float) -> None:
+        """(Re)initialise parameters; the model calls it with its normal(mean, std) init."""
+
+    @abc.abstractmethod
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x (batch, n, d_model), positions (batch, n) long -> (batch, n, d_model)."""
+
+
+class LayerPositional(nn.Module):
+    """Per-layer hooks. Defaults leave attention untouched, so a scheme overrides only what it uses.
+    Parameters follow the same rule as ``InputPositional``'s."""
+
+    def init_weights(self, mean: float, std: float) -> None:
+        """(Re)initialise parameters; the model calls it with its normal(mean, std) init."""
+
+    def transform_qk(
+        self, q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q (batch, heads, n, d), k (batch, heads, m, d); q_pos (batch, n), k_pos (batch, m) long.
+
+        Returns q, k of the same shape, or of width 2d for PoPE's Cartesian form; values never change.
+        """
+        return q, k
+
+    def logit_bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
+        """Additive logit bias (batch or 1, heads, n, m), or None."""
+        return None
+
+    def qk_frequency_norms(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Per-frequency norms of the raw (untransformed) q and k, (..., n_freq) each, or None when the
+        scheme has no frequencies. Frequency-usage analysis reads these."""
+        return None
+
+    def fused_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+        *, causal: bool, scale: float, key_padding: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """A kernel that applies this scheme inside attention (PoPE's Triton kernel), or None when the
+        scheme has none for these inputs. Raw q, k, v (batch, heads, n, d) -> (batch, heads, n, d)."""
+        return None
+
+
+class Scheme(abc.ABC):
+    """A registered positional scheme: its options dataclass and a builder."""
+
+    name: ClassVar[str]
+    Options: ClassVar[type]
+
+    @classmethod
+    @abc.abstractmethod
+    def build(
+        cls, options: Any, geometry: AttentionGeometry
+    ) -> tuple[InputPositional | None, list[LayerPositional | None]]:
+        """Modules for a model: (input module or None, one layer module or None per attention layer)."""

@@ -1,0 +1,93 @@
+"""PoPE, polar-coordinate position embeddings (Gopalakrishnan et al. 2025; papers/pope.md).
+
+Content sets magnitudes, position sets phases: mu = softplus(q), softplus(k) per component, phase
+t * theta_c with theta_c = base^(-c/d) for each of the d components, and a learnable key-phase bias
+delta (layer x head x component) clamped to [-2pi, 0]. The score is
+sum_c mu_q,c mu_k,c cos((s - t) theta_c + delta_c). Attention runs it in its Cartesian form,
+q~ = [mu cos phi, mu sin phi] of width 2d, so any dot-product kernel applies; on CUDA the fused Triton
+kernel computes the polar transform inside attention instead.
+
+The clamp is applied where delta is used (a clamped view of an unconstrained parameter), so no
+training loop has to remember to project it.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from transformers import initialization as init
+
+from poslab.errors import require
+from poslab.functional import pope_frequencies, pope_polar
+from poslab.positional.base import AttentionGeometry, LayerPositional, Scheme
+from poslab.positional.options import options_dataclass
+
+DELTA_INITS = ("zero", "uniform")
+
+
+@options_dataclass
+class PoPEOptions:
+    scheme = "pope"
+    base: float = 10000.0
+    #: "zero" generalises better in length, "uniform" (U(-2pi, 0)) is slightly better in distribution.
+    delta_init: str = "zero"
+    learn_delta: bool = True
+
+    def __post_init__(self) -> None:
+        require(self.base > 1, f"pope.base must be > 1, got {self.base}")
+        require(self.delta_init in DELTA_INITS,
+                f"pope.delta_init must be one of {', '.join(DELTA_INITS)}, got '{self.delta_init}'")
+
+
+class PolarLayer(LayerPositional):
+    def __init__(self, opts: PoPEOptions, n_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.base = opts.base
+        self.register_buffer("theta", pope_frequencies(head_dim, opts.base), persistent=False)
+        self.delta_init = opts.delta_init
+        self.raw_delta = nn.Parameter(torch.zeros(n_heads, head_dim), requires_grad=opts.learn_delta)
+        self.init_weights(0.0, 0.0)
+
+    def init_weights(self, mean: float, std: float) -> None:
+        with torch.no_grad():  # theta is not saved; recompute it for models built on the meta device
+            self.theta.copy_(pope_frequencies(self.theta.shape[0], self.base))
+        if self.delta_init == "uniform":
+            init.uniform_(self.raw_delta, -2 * math.pi, 0.0)
+        else:
+            init.zeros_(self.raw_delta)
+
+    @property
+    def delta(self) -> torch.Tensor:
+        """The key-phase bias in use, (heads, d), always inside [-2pi, 0]."""
+        return self.raw_delta.clamp(-2 * math.pi, 0.0)
+
+    def transform_qk(self, q, k, q_pos, k_pos):
+        return pope_polar(q, q_pos, self.theta), pope_polar(k, k_pos, self.theta, self.delta)
+
+    def qk_frequency_norms(self, q, k):
+        """Softplus magnitudes per component, (..., d) for q and k."""
+        return torch.nn.functional.softplus(q.float()), torch.nn.functional.softplus(k.float())
+
+    def fused_attention(self, q, k, v, q_pos, k_pos, *, causal, scale, key_padding):
+        from poslab.kernels import triton_available
+
+        # The kernel takes positions as start offsets; general position tensors go the Cartesian way.
+        if not (q.is_cuda and triton_available()) or q_pos.shape[0] != 1 or k_pos.shape[0] != 1:
+            return None
+        from poslab.kernels.pope_flash import pope_flash_attention
+
+        seq_lens = None if key_padding is None else key_padding.sum(-1).to(torch.int32)
+        return pope_flash_attention(
+            q, k, v, self.delta, base=self.base, causal=causal, scale=scale,
+            q_start=int(q_pos[0, 0]), k_start=int(k_pos[0, 0]), seq_lens=seq_lens,
+        )
+
+
+class PoPE(Scheme):
+    name = "pope"
+    Options = PoPEOptions
+
+    @classmethod
+    def build(cls, options: PoPEOptions, geometry: AttentionGeometry):
+        return None, [PolarLayer(options, geometry.n_heads, geometry.head_dim) for _ in range(geometry.n_layers)]

@@ -1,0 +1,145 @@
+"""Rotary position embeddings (Su et al. 2021) with linear, dynamic-NTK and YaRN scaling.
+
+Layout: half-split pairs (i, i + d/2), theta_i = base^(-2i/d) -- the layout of the Hugging Face
+transformers Llama implementation, with which the frequencies, the scalings and YaRN's attention
+factor are numerically identical (tests/test_positional.py checks it).
+
+Dynamic NTK is stateless here: the base is stretched for the current length L = max position + 1 when
+L exceeds ``original_max_len``; Hugging Face instead keeps the largest length seen so far. Both agree
+on any single call with a fresh model.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from poslab.errors import require
+from poslab.positional.base import AttentionGeometry, LayerPositional, Scheme
+from poslab.positional.options import options_dataclass
+
+SCALINGS = ("none", "linear", "dynamic", "yarn")
+
+
+@options_dataclass
+class RoPEOptions:
+    scheme = "rope"
+    base: float = 10000.0
+    scaling: str = "none"
+    factor: float = 1.0
+    #: The training context length that scaling extends from; None = the model's max_seq_len.
+    original_max_len: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    #: YaRN's multiplier on cos/sin (so logits scale by its square); None = 0.1 ln(factor) + 1.
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        require(self.scaling in SCALINGS, f"rope.scaling must be one of {', '.join(SCALINGS)}, got '{self.scaling}'")
+        require(self.base > 1, f"rope.base must be > 1, got {self.base}")
+        require(self.factor >= 1, f"rope.factor must be >= 1 (1 = no scaling), got {self.factor}")
+        require(self.original_max_len is None or self.original_max_len > 0,
+                f"rope.original_max_len must be positive, got {self.original_max_len}")
+        require(self.beta_fast > self.beta_slow > 0,
+                f"rope needs beta_fast > beta_slow > 0, got {self.beta_fast} and {self.beta_slow}")
+
+
+def yarn_mscale(factor: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+
+
+def rope_inv_freq(opts: RoPEOptions, dim: int, original_max_len: int, seq_len: int | None = None
+                  ) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (dim/2,) fp32 and the cos/sin multiplier for the given scaling."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    if opts.scaling == "dynamic":
+        length = max(seq_len or original_max_len, original_max_len)
+        base = opts.base * ((opts.factor * length / original_max_len) - (opts.factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / base**exponents, 1.0
+    inv_freq = 1.0 / opts.base**exponents
+    if opts.scaling == "linear":
+        return inv_freq / opts.factor, 1.0
+    if opts.scaling == "yarn":
+        return _yarn_inv_freq(opts, dim, original_max_len, inv_freq)
+    return inv_freq, 1.0
+
+
+def _yarn_inv_freq(opts: RoPEOptions, dim: int, original_max_len: int, inv_freq: torch.Tensor):
+    """YaRN (Peng et al. 2023): interpolate low frequencies, keep high ones, ramp between them."""
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(opts.base))
+
+    low, high = correction_dim(opts.beta_fast), correction_dim(opts.beta_slow)
+    if opts.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid dividing by zero in the ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # 1 = extrapolate (high frequency), 0 = interpolate
+    scaled = inv_freq / opts.factor * (1 - keep) + inv_freq * keep
+    factor = opts.attention_factor if opts.attention_factor is not None else yarn_mscale(opts.factor)
+    return scaled, factor
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions (batch, n) -> cos, sin (batch, 1, n, dim) fp32, as Hugging Face builds them."""
+    freqs = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling)[:, None], (emb.sin() * scaling)[:, None]
+
+
+class RotaryLayer(LayerPositional):
+    """Rotates q and k by their positions; parameter-free, so one instance serves every layer."""
+
+    def __init__(self, opts: RoPEOptions, head_dim: int, original_max_len: int) -> None:
+        super().__init__()
+        self.opts, self.head_dim, self.original_max_len = opts, head_dim, original_max_len
+        inv_freq, self.attention_scaling = rope_inv_freq(opts, head_dim, original_max_len)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def init_weights(self, mean: float, std: float) -> None:
+        # Buffers are not saved; a model built on the meta device (from_pretrained) recomputes them here.
+        with torch.no_grad():
+            self.inv_freq.copy_(rope_inv_freq(self.opts, self.head_dim, self.original_max_len)[0])
+
+    def frequencies(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> tuple[torch.Tensor, float]:
+        if self.opts.scaling != "dynamic":
+            return self.inv_freq, self.attention_scaling
+        length = int(max(q_pos.max(), k_pos.max())) + 1
+        inv_freq, scaling = rope_inv_freq(self.opts, self.head_dim, self.original_max_len, length)
+        return inv_freq.to(self.inv_freq.device), scaling
+
+    def transform_qk(self, q, k, q_pos, k_pos):
+        inv_freq, scaling = self.frequencies(q_pos, k_pos)
+        cos_q, sin_q = rope_cos_sin(inv_freq, q_pos, scaling)
+        cos_k, sin_k = (cos_q, sin_q) if k_pos is q_pos else rope_cos_sin(inv_freq, k_pos, scaling)
+        q_rot = (q.float() * cos_q + rotate_half(q.float()) * sin_q).to(q.dtype)
+        k_rot = (k.float() * cos_k + rotate_half(k.float()) * sin_k).to(k.dtype)
+        return q_rot, k_rot
+
+    def qk_frequency_norms(self, q, k):
+        """2-norm of each rotated 2-D chunk (i, i + d/2): (..., d/2) for q and k."""
+        def chunk_norms(x: torch.Tensor) -> torch.Tensor:
+            a, b = x.float().chunk(2, dim=-1)
+            return torch.sqrt(a * a + b * b)
+        return chunk_norms(q), chunk_norms(k)
+
+
+class RoPE(Scheme):
+    name = "rope"
+    Options = RoPEOptions
+
+    @classmethod
+    def build(cls, options: RoPEOptions, geometry: AttentionGeometry):
+        require(geometry.head_dim % 2 == 0,
+                f"rope needs an even head dim, got {geometry.head_dim}; change d_model or n_heads")
+        layer = RotaryLayer(options, geometry.head_dim, options.original_max_len or geometry.max_seq_len)
+        return None, [layer] * geometry.n_layers
