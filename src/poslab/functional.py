@@ -58,11 +58,11 @@ def pope_scores(
     t = torch.arange(n, device=q.device) if q_positions is None else q_positions
     s = torch.arange(m, device=q.device) if k_positions is None else k_positions
     theta = pope_frequencies(d, base, q.device).double()
-    rel = (s.double()[None, :] - t.double()[:, None])[..., None] * theta  # (n, m, d)
-    if delta is not None:
-        rel = rel[None] + delta.double()[:, None, None, :]  # (heads, n, m, d)
+    rel = (s.double()[None, :] - t.double()[:, None])[None, :, :, None] * theta  # (1, n, m, d)
+    delta = torch.zeros(q.shape[1], d, dtype=torch.float64, device=q.device) if delta is None else delta.double()
+    rel = rel + delta[:, None, None, :]  # (heads, n, m, d)
     mu_q, mu_k = F.softplus(q.double()), F.softplus(k.double())
-    return torch.einsum("bhnc,bhmc,...nmc->bhnm", mu_q, mu_k, torch.cos(rel)).to(q.dtype)
+    return torch.einsum("bhnc,bhmc,hnmc->bhnm", mu_q, mu_k, torch.cos(rel)).to(q.dtype)
 
 
 def pope_attention(

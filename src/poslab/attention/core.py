@@ -57,7 +57,8 @@ def attend(
     biases = {name: b for name, b in (biases or {}).items() if b is not None}
     vs = [v, *(values or {}).values()]
     n, m = next(iter(qk.values()))[0].shape[-2], v.shape[-2]
-    mask = mask_bias(n, m, causal=causal, key_padding=key_padding, device=v.device)
+    # Queries are the last n of the m positions (m > n while decoding with a KV cache).
+    mask = mask_bias(n, m, causal=causal, key_padding=key_padding, device=v.device, q_offset=m - n)
     if eager:
         terms = {name: scale * (q.float() @ k.float().transpose(-1, -2)) for name, (q, k) in qk.items()}
         terms.update({name: b.float().expand_as(next(iter(terms.values()))) for name, b in biases.items()})
@@ -73,7 +74,7 @@ def attend(
     additive = None
     for b in biases.values():
         additive = b.to(q.dtype) if additive is None else additive + b.to(q.dtype)
-    use_is_causal = causal and additive is None and key_padding is None
+    use_is_causal = causal and additive is None and key_padding is None and n == m
     if mask is not None and not use_is_causal:
         additive = mask.to(q.dtype) if additive is None else additive + mask.to(q.dtype)
     # SDPA's fused kernels need equal q/k and v head dims; otherwise torch falls back to its slow math

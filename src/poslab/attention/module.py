@@ -21,16 +21,21 @@ class MultiHeadAttention(nn.Module):
     """
 
     def __init__(self, d_model: int, n_heads: int, *, causal: bool, positional: LayerPositional | None,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", layer_idx: int = 0) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.n_heads, self.head_dim, self.causal, self.backend = n_heads, d_model // n_heads, causal, backend
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.out = nn.Linear(d_model, d_model, bias=False)
         self.__dict__["positional"] = positional
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, key_padding: torch.Tensor | None = None,
-                capture=None, name: str = "attn") -> torch.Tensor:
-        """positions (batch or 1, n) long; key_padding (batch, n), 1 = real token."""
+                capture=None, name: str = "attn", kv_cache=None) -> torch.Tensor:
+        """positions (batch or 1, n) long; key_padding (batch, past + n), 1 = real token.
+
+        ``kv_cache`` is a Hugging Face ``Cache`` for incremental decoding: keys are stored after the
+        positional transform, so earlier tokens are never transformed again.
+        """
         b, n, _ = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         scale = 1.0 / math.sqrt(self.head_dim)
@@ -44,7 +49,7 @@ class MultiHeadAttention(nn.Module):
                 capture.record(f"{name}.freq_norms.q", norms[0])
                 capture.record(f"{name}.freq_norms.k", norms[1])
 
-        if pos is not None and self.backend in ("auto", "triton") and not inspect:
+        if pos is not None and self.backend in ("auto", "triton") and not inspect and kv_cache is None:
             fused = pos.fused_attention(q, k, v, positions, positions, causal=self.causal, scale=scale,
                                         key_padding=key_padding)
             if fused is not None:
@@ -53,10 +58,16 @@ class MultiHeadAttention(nn.Module):
             raise ConfigError("attn_backend 'triton' needs a CUDA GPU with Triton and a scheme that has a fused "
                               "kernel (pope); use attn_backend 'auto' or 'sdpa'")
 
-        bias = None
+        bias, k_positions = None, positions
         if pos is not None:
             q, k = pos.transform_qk(q, k, positions, positions)
-            bias = pos.logit_bias(positions, positions)
+        if kv_cache is not None:
+            past = kv_cache.get_seq_length(self.layer_idx)
+            k, v = kv_cache.update(k, v, self.layer_idx)
+            k_positions = torch.cat([torch.arange(past, device=x.device)[None].expand(positions.shape[0], -1) +
+                                     (positions[:, :1] - past), positions], dim=1)
+        if pos is not None:
+            bias = pos.logit_bias(positions, k_positions)
         out, probs, terms = attend({"content": (q, k)}, v, scale=scale, causal=self.causal,
                                    biases={"bias": bias}, key_padding=key_padding, eager=eager)
         if capture is not None:

@@ -44,17 +44,17 @@ MLP_CLASSES = {"swiglu": SwiGLU, "gelu": GeluMLP}
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x))."""
 
-    def __init__(self, cfg, positional) -> None:
+    def __init__(self, cfg, positional, layer_idx: int = 0) -> None:
         super().__init__()
         self.attn_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, causal=cfg.causal, positional=positional,
-                                       backend=cfg.attn_backend)
+                                       backend=cfg.attn_backend, layer_idx=layer_idx)
         self.mlp_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.mlp = MLP_CLASSES[cfg.mlp](cfg.d_model, cfg.ffn_size)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, key_padding: torch.Tensor | None,
-                capture=None, name: str = "blocks.0") -> torch.Tensor:
-        attn_out = self.attn(self.attn_norm(x), positions, key_padding, capture, f"{name}.attn")
+                capture=None, name: str = "blocks.0", kv_cache=None) -> torch.Tensor:
+        attn_out = self.attn(self.attn_norm(x), positions, key_padding, capture, f"{name}.attn", kv_cache)
         x = x + attn_out
         if capture is not None:
             capture.record(f"{name}.attn_out", attn_out)

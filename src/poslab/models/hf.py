@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel
+from transformers import DynamicCache, GenerationMixin, PreTrainedConfig, PreTrainedModel
 from transformers import initialization as init
-from transformers.modeling_outputs import BaseModelOutput, CausalLMOutput, MaskedLMOutput
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast, MaskedLMOutput
 
 from poslab.errors import ConfigError
 from poslab.models.blocks import Block, make_norm
@@ -77,7 +77,7 @@ class PoslabModel(PoslabPreTrainedModel):
             if module is not None and all(module is not u for u in unique):
                 unique.append(module)
         self.layer_positional = nn.ModuleList(unique)
-        self.blocks = nn.ModuleList(Block(spec, pos) for pos in layer_pos)
+        self.blocks = nn.ModuleList(Block(spec, pos, i) for i, pos in enumerate(layer_pos))
         self.final_norm = make_norm(spec.norm, spec.d_model, spec.norm_eps)
         self.post_init()
 
@@ -88,10 +88,12 @@ class PoslabModel(PoslabPreTrainedModel):
         self.embed = value
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, capture=None, **_unused) -> BaseModelOutput:
-        """attention_mask (batch, n) 1 = real token; position_ids (batch, n), default 0..n-1."""
+                position_ids: torch.Tensor | None = None, capture=None, cache=None, **_unused) -> BaseModelOutputWithPast:
+        """attention_mask (batch, past + n) 1 = real token; position_ids (batch, n), default past..past+n-1;
+        ``cache`` a Hugging Face KV ``Cache`` (decoders, incremental decoding)."""
         n = input_ids.shape[1]
-        positions = position_ids if position_ids is not None else torch.arange(n, device=input_ids.device)[None]
+        past = cache.get_seq_length() if cache is not None else 0
+        positions = position_ids if position_ids is not None else torch.arange(past, past + n, device=input_ids.device)[None]
         key_padding = None if attention_mask is None or bool(attention_mask.all()) else attention_mask
         x = self.embed(input_ids)
         if self.input_positional is not None:
@@ -101,13 +103,13 @@ class PoslabModel(PoslabPreTrainedModel):
         for i, block in enumerate(self.blocks):
             if capture is not None:
                 capture.record(f"blocks.{i}.resid_pre", x)
-            x = block(x, positions, key_padding, capture, f"blocks.{i}")
+            x = block(x, positions, key_padding, capture, f"blocks.{i}", cache)
             if capture is not None:
                 capture.record(f"blocks.{i}.resid_post", x)
         x = self.final_norm(x)
         if capture is not None:
             capture.record("final", x)
-        return BaseModelOutput(last_hidden_state=x)
+        return BaseModelOutputWithPast(last_hidden_state=x, cache=cache)
 
 
 class PoslabForCausalLM(PoslabPreTrainedModel, GenerationMixin):
@@ -129,13 +131,15 @@ class PoslabForCausalLM(PoslabPreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                capture=None, **_unused) -> CausalLMOutput:
-        hidden = self.model(input_ids, attention_mask, position_ids, capture).last_hidden_state
+                capture=None, cache=None, use_cache: bool | None = None, **_unused) -> CausalLMOutputWithPast:
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        hidden = self.model(input_ids, attention_mask, position_ids, capture, cache).last_hidden_state
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
-        return CausalLMOutput(loss=loss, logits=logits)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
 
 
 class MLMHead(nn.Module):

@@ -1,0 +1,190 @@
+"""Backbones: invariances (hypothesis), Hugging Face round trips, generation, bad input."""
+import tempfile
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
+
+import poslab
+from poslab.errors import ConfigError, InputError
+from poslab.positional import SCHEMES
+
+ALL = sorted(SCHEMES)
+RELATIVE = ["rope", "pope", "t5", "alibi"]  # schemes whose logits depend only on s - t
+FAST = settings(max_examples=15, deadline=None)
+
+
+def model(arch, scheme, backend="sdpa", seed=0, **extra):
+    torch.manual_seed(seed)
+    options = {"init_std": 0.5} if scheme == "t5" else {}  # zero-initialised buckets would hide the bias
+    if scheme == "pope":
+        options = {"delta_init": "uniform"}
+    cfg = {"arch": arch, "vocab_size": 30, "d_model": 32, "n_heads": 4, "n_layers": 2, "max_seq_len": 64,
+           "attn_backend": backend, "positional": {"name": scheme, "options": options}, **extra}
+    return poslab.build_model(cfg).eval()
+
+
+@pytest.mark.parametrize("arch", ["decoder", "encoder"])
+@pytest.mark.parametrize("scheme", RELATIVE)
+@FAST
+@given(shift=st.integers(1, 500), n=st.integers(2, 12), data=st.data())
+def test_shifting_all_positions_changes_nothing(arch, scheme, shift, n, data):
+    m = model(arch, scheme)
+    x = torch.tensor([data.draw(st.lists(st.integers(0, 29), min_size=n, max_size=n))])
+    pos = torch.arange(n)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(m(x, position_ids=pos).logits, m(x, position_ids=pos + shift).logits,
+                                   rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("scheme", RELATIVE)
+def test_scheme_logits_are_shift_invariant(scheme):
+    """The scheme's own logit pieces (q.k after its transform, plus its bias) depend on s - t only."""
+    from poslab.positional import AttentionGeometry, PositionalConfig, build_positional
+
+    opts = {"init_std": 1.0} if scheme == "t5" else {}
+    _, layers = build_positional(PositionalConfig(scheme, opts), AttentionGeometry(1, 2, 8, 16, 64, False))
+    layer = layers[0]
+    q, k = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+
+    def logits(pos):
+        q2, k2 = layer.transform_qk(q, k, pos, pos)
+        bias = layer.logit_bias(pos, pos)
+        return q2 @ k2.transpose(-1, -2) + (0 if bias is None else bias)
+
+    pos = torch.arange(6)[None]
+    torch.testing.assert_close(logits(pos), logits(pos + 1234), rtol=1e-4, atol=1e-4)
+
+
+@FAST
+@given(perm_seed=st.integers(0, 10_000), n=st.integers(2, 16))
+def test_nope_encoder_is_permutation_equivariant(perm_seed, n):
+    m = model("encoder", "nope")
+    x = torch.randint(0, 30, (2, n), generator=torch.Generator().manual_seed(perm_seed))
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(perm_seed + 1))
+    with torch.no_grad():
+        torch.testing.assert_close(m(x).logits[:, perm], m(x[:, perm]).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_positional_encoder_is_not_permutation_equivariant():
+    m = model("encoder", "learned")
+    x = torch.arange(8)[None]
+    perm = torch.tensor([1, 0, 2, 3, 4, 5, 6, 7])
+    with torch.no_grad():
+        assert not torch.allclose(m(x).logits[:, perm], m(x[:, perm]).logits, atol=1e-4)
+
+
+@pytest.mark.parametrize("scheme", ALL)
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+@FAST
+@given(n=st.integers(2, 20), cut=st.integers(1, 19), seed=st.integers(0, 999))
+def test_future_tokens_never_change_earlier_outputs(scheme, backend, n, cut, seed):
+    cut = min(cut, n - 1)
+    m = model("decoder", scheme, backend)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 30, (1, n), generator=g)
+    y = x.clone()
+    y[:, cut:] = torch.randint(0, 30, (1, n - cut), generator=g)
+    with torch.no_grad():
+        torch.testing.assert_close(m(x).logits[:, :cut], m(y).logits[:, :cut], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["decoder", "encoder"])
+@pytest.mark.parametrize("scheme", ALL)
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+@FAST
+@given(lengths=st.lists(st.integers(1, 12), min_size=1, max_size=4), seed=st.integers(0, 999))
+def test_padding_never_changes_real_outputs(arch, scheme, backend, lengths, seed):
+    m = model(arch, scheme, backend)
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths) + 3
+    batch = torch.randint(0, 30, (len(lengths), width), generator=g)
+    mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
+    with torch.no_grad():
+        padded = m(batch, attention_mask=mask).logits
+        for row, length in enumerate(lengths):
+            alone = m(batch[row : row + 1, :length]).logits[0]
+            torch.testing.assert_close(padded[row, :length], alone, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("scheme", ALL)
+def test_eager_and_sdpa_agree(scheme):
+    for arch in ("decoder", "encoder"):
+        x = torch.randint(0, 30, (2, 13))
+        mask = torch.ones_like(x)
+        mask[1, 9:] = 0
+        a = model(arch, scheme, "sdpa")(x, attention_mask=mask).logits
+        b = model(arch, scheme, "eager")(x, attention_mask=mask).logits
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["decoder", "encoder"])
+@pytest.mark.parametrize("scheme", ALL)
+def test_round_trip_through_auto_classes(arch, scheme):
+    m = model(arch, scheme, tie_embeddings=(arch == "decoder" and scheme == "rope"))
+    x = torch.randint(0, 30, (2, 9))
+    head_cls = AutoModelForCausalLM if arch == "decoder" else AutoModelForMaskedLM
+    with tempfile.TemporaryDirectory() as d:
+        m.save_pretrained(d)
+        assert any(f.endswith(".safetensors") for f in __import__("os").listdir(d))
+        assert AutoConfig.from_pretrained(d).poslab == m.config.poslab
+        loaded = head_cls.from_pretrained(d).eval()
+        trunk = AutoModel.from_pretrained(d).eval()
+    with torch.no_grad():
+        assert torch.equal(m(x).logits, loaded(x).logits)
+        assert torch.equal(m.model(x).last_hidden_state, trunk(x).last_hidden_state)
+
+
+def test_tied_embeddings_share_storage():
+    m = model("decoder", "rope", tie_embeddings=True)
+    assert m.lm_head.weight.data_ptr() == m.model.embed.weight.data_ptr()
+    assert model("decoder", "rope").lm_head.weight.data_ptr() != model("decoder", "rope").model.embed.weight.data_ptr()
+
+
+@pytest.mark.parametrize("scheme", ["rope", "pope", "alibi"])
+def test_generate_is_greedy_decoding(scheme):
+    m = model("decoder", scheme)
+    prompt = torch.randint(0, 30, (1, 5))
+    out = m.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    manual = prompt
+    with torch.no_grad():
+        for _ in range(6):
+            manual = torch.cat([manual, m(manual).logits[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(out, manual)
+
+
+@pytest.mark.parametrize("mean,std", [(0.0, 0.002), (4.0, 0.2)])
+def test_init_follows_normal_mean_std(mean, std):
+    m = model("decoder", "nope", init_mean=mean, init_std=std)
+    w = torch.cat([m.model.embed.weight.flatten(), m.model.blocks[0].attn.qkv.weight.flatten()])
+    assert w.mean().item() == pytest.approx(mean, abs=4 * std / 50)
+    assert w.std().item() == pytest.approx(std, rel=0.05)
+
+
+def test_parameter_counts():
+    m = model("decoder", "learned")
+    d, v, L, ff = 32, 30, 2, 128
+    per_block = 4 * d * d + 2 * d * ff + 2 * d
+    assert m.num_parameters() == v * d + 64 * d + L * per_block + d + v * d
+
+
+def test_sequence_longer_than_learned_table_names_the_limit():
+    m = model("decoder", "learned")
+    with pytest.raises(InputError, match="64 positions"):
+        m(torch.zeros(1, 65, dtype=torch.long))
+
+
+@pytest.mark.parametrize("cfg,message", [
+    ({"d_model": 30, "n_heads": 4}, "n_heads \\(4\\) must divide d_model \\(30\\)"),
+    ({"d_model": 36, "n_heads": 4, "positional": {"name": "rope"}}, "rope needs an even head dim"),
+    ({"n_layers": -1}, "n_layers must be a positive integer"),
+    ({"vocab_size": 0}, "vocab_size must be a positive integer"),
+    ({"arch": "encoder-decoder"}, "arch must be one of"),
+    ({"d_modle": 32}, "did you mean 'd_model'"),
+    ({"positional": {"name": "yarn"}}, "valid: alibi, learned"),
+])
+def test_bad_configs_rejected_at_build_time(cfg, message):
+    with pytest.raises(ConfigError, match=message):
+        poslab.build_model(cfg)

@@ -1,0 +1,112 @@
+"""PoPE: the explicit formula, the eager path, the SDPA path and pope_attention agree."""
+import math
+
+import pytest
+import torch
+
+import poslab
+from poslab.functional import pope_attention, pope_frequencies, pope_polar, pope_scores
+from poslab.models import ActivationCache
+
+
+def explicit_attention(q, k, v, delta, causal, scale):
+    """softmax(scale * a_ts) @ v with a_ts from the explicit loop-free formula, in fp64."""
+    logits = scale * pope_scores(q.double(), k.double(), delta)
+    if causal:
+        n = q.shape[-2]
+        logits = logits.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(logits, -1) @ v.double()
+
+
+def test_scores_equal_the_sum_over_components():
+    q, k = torch.randn(1, 2, 5, 6), torch.randn(1, 2, 7, 6)
+    delta = -torch.rand(2, 6) * 2 * math.pi
+    theta = pope_frequencies(6)
+    got = pope_scores(q, k, delta)
+    sp = torch.nn.functional.softplus
+    for h, t, s in [(0, 0, 0), (1, 4, 2), (0, 3, 6), (1, 1, 5)]:
+        expected = sum(sp(q[0, h, t, c]) * sp(k[0, h, s, c]) * math.cos((s - t) * theta[c] + delta[h, c])
+                       for c in range(6))
+        assert got[0, h, t, s].item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_cartesian_form_equals_polar_score():
+    q, k = torch.randn(2, 3, 9, 8, dtype=torch.float64), torch.randn(2, 3, 9, 8, dtype=torch.float64)
+    delta = -torch.rand(3, 8, dtype=torch.float64) * 2 * math.pi
+    theta = pope_frequencies(8)
+    pos = torch.arange(9)
+    cart = pope_polar(q, pos, theta) @ pope_polar(k, pos, theta, delta).transpose(-1, -2)
+    torch.testing.assert_close(cart, pope_scores(q, k, delta), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n,d", [(1, 8), (17, 16), (64, 32)])
+def test_pope_attention_matches_explicit(causal, n, d):
+    q, k, v = (torch.randn(2, 3, n, d) for _ in range(3))
+    delta = -torch.rand(3, d) * 2 * math.pi
+    got = pope_attention(q, k, v, delta, causal=causal)
+    expected = explicit_attention(q, k, v, delta, causal, 1 / math.sqrt(d))
+    torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-5)
+
+
+def pope_model(backend, delta_init="uniform"):
+    torch.manual_seed(1)
+    return poslab.build_model({"arch": "decoder", "vocab_size": 40, "d_model": 32, "n_heads": 2, "n_layers": 2,
+                               "attn_backend": backend,
+                               "positional": {"name": "pope", "options": {"delta_init": delta_init}}})
+
+
+def test_model_eager_and_sdpa_paths_agree():
+    x = torch.randint(0, 40, (3, 21))
+    sdpa, eager = pope_model("sdpa"), pope_model("eager")
+    torch.testing.assert_close(sdpa(x).logits, eager(x).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_model_logits_use_the_explicit_score():
+    """The eager path's content term equals scale * sum_c mu_q mu_k cos((s-t) theta_c + delta_c)."""
+    model = pope_model("eager")
+    x = torch.randint(0, 40, (2, 11))
+    cache = ActivationCache(["blocks.0.attn_out", "blocks.0.attn.logits.content"])
+    model(x, capture=cache)
+    attn = model.model.blocks[0].attn
+    h = model.model.blocks[0].attn_norm(model.model.embed(x))
+    q, k, _ = attn.qkv(h).view(2, 11, 3, 2, 16).permute(2, 0, 3, 1, 4)
+    delta = model.model.layer_positional[0].delta
+    expected = pope_scores(q, k, delta) / math.sqrt(16)
+    torch.testing.assert_close(cache["blocks.0.attn.logits.content"], expected.float(), rtol=1e-4, atol=1e-5)
+
+
+def test_delta_gets_gradients_and_stays_clamped():
+    model = pope_model("sdpa", delta_init="zero")
+    layer = model.model.layer_positional[0]
+    opt = torch.optim.SGD(model.parameters(), lr=50.0)
+    x = torch.randint(0, 40, (4, 16))
+    for _ in range(3):
+        opt.zero_grad()
+        model(x, labels=x).loss.backward()
+        assert layer.raw_delta.grad is not None
+        opt.step()
+    assert layer.raw_delta.grad.abs().sum() > 0
+    assert (layer.delta >= -2 * math.pi).all() and (layer.delta <= 0).all()
+    with torch.no_grad():
+        layer.raw_delta.fill_(5.0)
+    assert (layer.delta == 0).all()
+    with torch.no_grad():
+        layer.raw_delta.fill_(-9.0)
+    assert torch.allclose(layer.delta, torch.full_like(layer.delta, -2 * math.pi))
+
+
+def test_uniform_delta_init_lies_in_range():
+    delta = pope_model("sdpa", "uniform").model.layer_positional[1].delta
+    assert (delta <= 0).all() and (delta >= -2 * math.pi).all() and delta.std() > 0.5
+
+
+def test_long_positions_keep_phase_precision():
+    """Phases are formed in fp32 even for bf16 inputs, so position 10^6 still rotates correctly."""
+    theta = pope_frequencies(8)
+    x = torch.randn(1, 1, 2, 8)
+    pos = torch.tensor([10**6, 10**6 + 1])
+    got = pope_polar(x.bfloat16(), pos, theta).float()
+    ref = pope_polar(x.double(), pos.double(), theta.double())
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), ref, rtol=0.05, atol=0.05)

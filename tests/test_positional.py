@@ -1,0 +1,128 @@
+"""Positional schemes: parity with Hugging Face transformers and the definitions we commit to."""
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers.models.t5.modeling_t5 import T5Attention
+
+from poslab.errors import ConfigError
+from poslab.positional import AttentionGeometry, PositionalConfig, build_positional
+from poslab.positional.alibi import alibi_slopes
+from poslab.positional.relative_bias import relative_position_bucket
+from poslab.positional.rope import RoPEOptions, rope_cos_sin, rope_inv_freq
+
+HEAD_DIM, MAX_LEN = 64, 256
+
+
+def hf_rope(rope_type: str, seq_len=None, **params):
+    params = {"rope_type": rope_type, "rope_theta": 10000.0, **params}
+    cfg = LlamaConfig(hidden_size=HEAD_DIM * 4, num_attention_heads=4, max_position_embeddings=MAX_LEN,
+                      rope_parameters=params)
+    init = ROPE_INIT_FUNCTIONS.get(rope_type)
+    if init is None:  # "default" has no entry in some versions
+        return 1.0 / (10000.0 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM)), 1.0
+    return init(cfg, "cpu", seq_len=seq_len)
+
+
+@pytest.mark.parametrize("factor", [1.5, 2.0, 4.0, 8.0])
+@pytest.mark.parametrize("scaling", ["linear", "dynamic", "yarn"])
+@pytest.mark.parametrize("seq_len", [None, 100, 256, 700, 2048])
+def test_rope_frequencies_match_hugging_face(scaling, factor, seq_len):
+    params = {"factor": factor}
+    if scaling == "yarn":
+        params["original_max_position_embeddings"] = MAX_LEN
+    ours, our_scale = rope_inv_freq(RoPEOptions(scaling=scaling, factor=factor), HEAD_DIM, MAX_LEN, seq_len)
+    theirs, their_scale = hf_rope(scaling, seq_len=seq_len, **params)
+    torch.testing.assert_close(ours, theirs.float(), rtol=1e-6, atol=0)
+    assert our_scale == pytest.approx(their_scale)
+
+
+@pytest.mark.parametrize("beta_fast,beta_slow,attention_factor", [(32, 1, None), (16, 2, None), (64, 1, 1.3)])
+def test_yarn_options_match_hugging_face(beta_fast, beta_slow, attention_factor):
+    opts = RoPEOptions(scaling="yarn", factor=4.0, beta_fast=beta_fast, beta_slow=beta_slow,
+                       attention_factor=attention_factor, original_max_len=128)
+    ours, our_scale = rope_inv_freq(opts, HEAD_DIM, 128)
+    params = {"factor": 4.0, "beta_fast": beta_fast, "beta_slow": beta_slow, "original_max_position_embeddings": 128}
+    if attention_factor is not None:
+        params["attention_factor"] = attention_factor
+    theirs, their_scale = hf_rope("yarn", **params)
+    torch.testing.assert_close(ours, theirs.float(), rtol=1e-6, atol=0)
+    assert our_scale == pytest.approx(their_scale)
+
+
+def test_rope_rotation_matches_llama():
+    q, k = torch.randn(2, 4, 33, HEAD_DIM), torch.randn(2, 4, 33, HEAD_DIM)
+    pos = torch.arange(5, 38)[None].expand(2, -1)
+    opts = RoPEOptions(scaling="yarn", factor=4.0, original_max_len=16)
+    _, layers = build_positional(PositionalConfig("rope", {"scaling": "yarn", "factor": 4.0, "original_max_len": 16}),
+                                 AttentionGeometry(1, 4, HEAD_DIM, 4 * HEAD_DIM, 64, True))
+    ours_q, ours_k = layers[0].transform_qk(q, k, pos, pos)
+    inv_freq, scale = rope_inv_freq(opts, HEAD_DIM, 16)
+    cos, sin = rope_cos_sin(inv_freq, pos, scale)
+    ref_q, ref_k = apply_rotary_pos_emb(q, k, cos[:, 0], sin[:, 0])
+    torch.testing.assert_close(ours_q, ref_q)
+    torch.testing.assert_close(ours_k, ref_k)
+    # and the Llama rotary module's own cos/sin
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    cfg = LlamaConfig(hidden_size=HEAD_DIM * 4, num_attention_heads=4, max_position_embeddings=64,
+                      rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                       "original_max_position_embeddings": 16})
+    hf_cos, hf_sin = LlamaRotaryEmbedding(cfg)(q, pos)
+    torch.testing.assert_close(cos[:, 0], hf_cos)
+    torch.testing.assert_close(sin[:, 0], hf_sin)
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+@pytest.mark.parametrize("num_buckets,max_distance", [(32, 128), (16, 64), (8, 20), (64, 512)])
+def test_t5_buckets_match_hugging_face(bidirectional, num_buckets, max_distance):
+    rel = torch.arange(-1500, 1500)[None, :] + torch.randint(-3, 3, (4, 1))
+    ours = relative_position_bucket(rel, bidirectional, num_buckets, max_distance)
+    theirs = T5Attention._relative_position_bucket(rel, bidirectional, num_buckets, max_distance)
+    assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("heads", [1, 2, 3, 5, 6, 8, 12, 16, 20])
+def test_alibi_slopes_any_head_count(heads):
+    slopes = alibi_slopes(heads)
+    assert slopes.shape == (heads,) and (slopes > 0).all() and (slopes < 1).all()
+    assert len(set(slopes.tolist())) == heads
+    if heads & (heads - 1) == 0:  # powers of two: the paper's geometric sequence 2^(-8i/n)
+        expected = torch.tensor([2 ** (-8 * (i + 1) / heads) for i in range(heads)])
+        torch.testing.assert_close(slopes, expected)
+    if heads == 12:  # the reference recipe: 8 from the 8-head sequence + every other of the 16-head one
+        expected = [2 ** (-(i + 1)) for i in range(8)] + [2 ** (-0.5 * (2 * i + 1)) for i in range(4)]
+        torch.testing.assert_close(slopes, torch.tensor(expected))
+
+
+def test_sinusoidal_matches_vaswani():
+    geometry = AttentionGeometry(1, 2, 8, 16, 64, True)
+    inp, _ = build_positional(PositionalConfig("sinusoidal"), geometry)
+    out = inp(torch.zeros(1, 10, 16), torch.arange(10)[None])
+    p, i = 7, 3
+    assert out[0, p, 2 * i].item() == pytest.approx(math.sin(p / 10000 ** (2 * i / 16)), abs=1e-6)
+    assert out[0, p, 2 * i + 1].item() == pytest.approx(math.cos(p / 10000 ** (2 * i / 16)), abs=1e-6)
+
+
+def test_unknown_scheme_lists_valid_names():
+    with pytest.raises(ConfigError, match="valid: alibi, learned, nope, pope, rope, sinusoidal, t5"):
+        PositionalConfig("ropee")
+
+
+def test_unknown_option_suggests_closest():
+    with pytest.raises(ConfigError, match="did you mean 'factor'"):
+        PositionalConfig("rope", {"facotr": 2.0})
+
+
+@pytest.mark.parametrize("name,options,message", [
+    ("rope", {"scaling": "ntk"}, "rope.scaling must be one of"),
+    ("rope", {"factor": 0.5}, "rope.factor must be >= 1"),
+    ("pope", {"delta_init": "normal"}, "pope.delta_init must be one of"),
+    ("t5", {"num_buckets": 2}, "t5.num_buckets must be >= 4"),
+    ("t5", {"num_buckets": 32, "max_distance": 10}, "t5.max_distance must exceed"),
+])
+def test_bad_options_rejected(name, options, message):
+    with pytest.raises(ConfigError, match=message):
+        PositionalConfig(name, options)
