@@ -1,0 +1,174 @@
+"""Typed configuration of a text-data pipeline, validated at construction.
+
+One ``DataConfig`` covers both halves of the pipeline:
+  preparation  (``source``, ``tokenizer``, ``validation_documents``, ``shard_tokens``, ``batch_documents``)
+               -- what ``poslab data prepare`` turns into a directory of shards;
+  reading      (``seq_len``, ``packing``, ``masking``, ``structure_labels``) -- how batches are cut from the
+               shards; changing these never requires preparing again.
+``prepared`` names an existing prepared directory instead of a source; ``cache_dir`` is where a source is
+prepared on the fly when no directory is given.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from poslab.errors import ConfigError, require, unknown_key_message
+
+
+def from_dict(cls: type, data: Any, what: str):
+    """Build dataclass ``cls`` from a mapping, naming unknown keys and their closest valid spelling."""
+    if isinstance(data, cls):
+        return data
+    require(isinstance(data, dict), f"{what} must be a mapping, got {type(data).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            raise ConfigError(unknown_key_message(f"key in {what}", str(key), names))
+    return cls(**data)
+
+
+def _int_range(value: Any, name: str, minimum: int = 0) -> tuple[int, int]:
+    """[lo, hi] inclusive; a single integer means [n, n]."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value, value]
+    ok = (isinstance(value, (list, tuple)) and len(value) == 2
+          and all(isinstance(v, int) and not isinstance(v, bool) for v in value))
+    require(ok, f"{name} must be an integer or a [min, max] pair of integers, got {value!r}")
+    lo, hi = value
+    require(minimum <= lo <= hi, f"{name} must satisfy {minimum} <= min <= max, got [{lo}, {hi}]")
+    return int(lo), int(hi)
+
+
+SPECIAL_ROLES = ("cls", "sep", "pad", "mask", "unk")
+
+
+@dataclass
+class TokenizerConfig:
+    """Either ``path`` (a local tokenizer directory: tokenizer.json, or anything transformers'
+    AutoTokenizer reads offline) or a tokenizer trained on the first ``train_documents`` documents.
+
+    ``special_tokens`` maps roles to token strings; the defaults are BERT's. A loaded tokenizer lacking
+    one of them is rejected (``mask`` is only required for masked-LM data).
+    """
+
+    path: str | None = None
+    type: str = "wordpiece"
+    vocab_size: int = 30522
+    lowercase: bool = True
+    min_frequency: int = 2
+    train_documents: int = 100_000
+    special_tokens: dict[str, str] = field(default_factory=lambda: {
+        "cls": "[CLS]", "sep": "[SEP]", "pad": "[PAD]", "mask": "[MASK]", "unk": "[UNK]"})
+
+    def __post_init__(self) -> None:
+        from poslab.data.tokenizer import TRAINABLE  # the registry lives with the trainers
+
+        require(self.path is None or isinstance(self.path, str), f"tokenizer.path must be a string, got {self.path!r}")
+        if self.type not in TRAINABLE:
+            raise ConfigError(unknown_key_message("tokenizer type", str(self.type), TRAINABLE))
+        require(isinstance(self.vocab_size, int) and self.vocab_size >= 16,
+                f"tokenizer.vocab_size must be an integer >= 16, got {self.vocab_size!r}")
+        require(isinstance(self.min_frequency, int) and self.min_frequency >= 1,
+                f"tokenizer.min_frequency must be an integer >= 1, got {self.min_frequency!r}")
+        require(isinstance(self.train_documents, int) and self.train_documents >= 1,
+                f"tokenizer.train_documents must be an integer >= 1, got {self.train_documents!r}")
+        require(isinstance(self.special_tokens, dict), "tokenizer.special_tokens must be a mapping role -> token")
+        for role in self.special_tokens:
+            if role not in SPECIAL_ROLES:
+                raise ConfigError(unknown_key_message("special-token role", str(role), SPECIAL_ROLES))
+        self.special_tokens = {**TokenizerConfig.__dataclass_fields__["special_tokens"].default_factory(),
+                               **self.special_tokens}
+
+
+@dataclass(frozen=True)
+class MaskingStyle:
+    """Default rate and what a chosen token becomes: [MASK] with mask_prob, a random token with
+    random_prob, unchanged otherwise."""
+
+    rate: float
+    mask_prob: float
+    random_prob: float
+
+
+# NeoBERT replaces every chosen token by [MASK] (no 80/10/10); BERT uses 80/10/10 at 15%.
+MASKING_STYLES: dict[str, MaskingStyle] = {
+    "neobert": MaskingStyle(rate=0.20, mask_prob=1.0, random_prob=0.0),
+    "bert": MaskingStyle(rate=0.15, mask_prob=0.8, random_prob=0.1),
+}
+
+
+@dataclass
+class MaskingConfig:
+    style: str = "neobert"
+    rate: float | None = None  # None: the style's rate
+
+    def __post_init__(self) -> None:
+        if self.style not in MASKING_STYLES:
+            raise ConfigError(unknown_key_message("masking style", str(self.style), MASKING_STYLES))
+        if self.rate is None:
+            self.rate = MASKING_STYLES[self.style].rate
+        require(isinstance(self.rate, (int, float)) and 0.0 < self.rate < 1.0,
+                f"masking.rate must lie in (0, 1), got {self.rate!r}")
+
+    @property
+    def resolved(self) -> MaskingStyle:
+        base = MASKING_STYLES[self.style]
+        return MaskingStyle(rate=float(self.rate), mask_prob=base.mask_prob, random_prob=base.random_prob)
+
+
+PREPARE_FIELDS = ("source", "tokenizer", "validation_documents", "shard_tokens")
+
+
+@dataclass
+class DataConfig:
+    source: dict[str, Any] | None = None
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    validation_documents: int = 0
+    shard_tokens: int = 16_000_000
+    batch_documents: int = 256
+    seq_len: int = 128
+    packing: bool = True
+    masking: MaskingConfig | None = None
+    structure_labels: bool = True
+    prepared: str | None = None
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        from poslab.data.sources import parse_source  # validates the source's own options
+
+        self.tokenizer = from_dict(TokenizerConfig, self.tokenizer, "data.tokenizer")
+        if self.masking is not None:
+            self.masking = from_dict(MaskingConfig, self.masking, "data.masking")
+        require((self.source is None) != (self.prepared is None),
+                "data needs exactly one of 'source' (a corpus to prepare) or 'prepared' (a prepared directory)")
+        if self.source is not None:
+            parse_source(self.source)
+        require(isinstance(self.seq_len, int) and self.seq_len >= 2,
+                f"seq_len must be an integer >= 2 ([CLS] plus at least one token), got {self.seq_len!r}")
+        require(self.packing or self.seq_len >= 3,
+                f"seq_len must be >= 3 with packing: false ([CLS] and [SEP] take two), got {self.seq_len}")
+        require(isinstance(self.validation_documents, int) and self.validation_documents >= 0,
+                f"validation_documents must be an integer >= 0, got {self.validation_documents!r}")
+        require(isinstance(self.shard_tokens, int) and self.shard_tokens >= 1,
+                f"shard_tokens must be a positive integer, got {self.shard_tokens!r}")
+        require(isinstance(self.batch_documents, int) and self.batch_documents >= 1,
+                f"batch_documents must be a positive integer, got {self.batch_documents!r}")
+        require(isinstance(self.packing, bool), f"packing must be true or false, got {self.packing!r}")
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> "DataConfig":
+        return from_dict(cls, options, "data")
+
+    def prepare_dict(self) -> dict[str, Any]:
+        """The part of the config that determines the prepared shards (JSON-able)."""
+        return {"source": self.source, "tokenizer": dataclasses.asdict(self.tokenizer),
+                "validation_documents": self.validation_documents, "shard_tokens": self.shard_tokens}
+
+    def prepare_key(self) -> str:
+        """Content hash of ``prepare_dict``: the cache directory name for on-the-fly preparation."""
+        text = json.dumps(self.prepare_dict(), sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -1,0 +1,239 @@
+"""Where documents come from: local text files and directories, JSONL, Hugging Face datasets, synthetic.
+
+Every source yields documents as paragraphs of sentences (``list[list[str]]``); real text is segmented by
+``poslab.data.sentences`` (paragraphs at blank lines, rule-based sentence splitter), the synthetic corpus
+knows its boundaries exactly. ``documents()`` starts a fresh pass each call (the tokenizer trainer reads a
+prefix, preparation reads everything) and streams: nothing holds more than one document.
+
+Invalid UTF-8 in files is replaced, one U+FFFD per invalid byte, and counted in ``invalid_utf8`` (the
+count of the latest pass) so that preparation can report it instead of failing or hiding it.
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from poslab.data.config import from_dict
+from poslab.data.sentences import segment
+from poslab.data.synthetic import SyntheticCorpus, SyntheticOptions
+from poslab.errors import ConfigError, DataError, require, unknown_key_message
+
+Document = list[list[str]]
+_ESCAPED = re.compile("[\udc80-\udcff]")  # invalid bytes, as the 'surrogateescape' decoder leaves them
+
+
+def _limit(value: Any) -> int | None:
+    require(value is None or (isinstance(value, int) and value >= 1),
+            f"max_documents must be a positive integer or null, got {value!r}")
+    return value
+
+
+def _decode(raw: bytes) -> tuple[str, int]:
+    """UTF-8 text with invalid bytes replaced by U+FFFD, and how many were replaced."""
+    text = raw.decode("utf-8", "surrogateescape")
+    if _ESCAPED.search(text) is None:
+        return text, 0
+    return _ESCAPED.subn("\ufffd", text)
+
+
+def _list_files(paths: Any, pattern: str) -> list[Path]:
+    """Files named by ``paths`` (files, or directories searched recursively for ``pattern``), sorted."""
+    paths = [paths] if isinstance(paths, str) else paths
+    require(isinstance(paths, list) and paths and all(isinstance(p, str) for p in paths),
+            f"paths must be a path or a non-empty list of paths, got {paths!r}")
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found = sorted(f for f in p.rglob(pattern) if f.is_file())
+            if not found:
+                raise DataError(f"no files matching '{pattern}' under directory {p}")
+            files += found
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise DataError(f"no such file or directory: {p}")
+    return files
+
+
+@dataclass
+class TextOptions:
+    paths: Any = None
+    glob: str = "*.txt"
+    doc_separator: str | None = None  # a line equal to this (stripped) ends a document; None: one per file
+    max_documents: int | None = None
+
+    def __post_init__(self) -> None:
+        _limit(self.max_documents)
+
+
+class TextSource:
+    """Plain text files. Paragraphs at blank lines; documents are whole files or end at ``doc_separator``."""
+
+    Options = TextOptions
+
+    def __init__(self, **options: Any) -> None:
+        self.opts: TextOptions = from_dict(TextOptions, options, "text source")
+        self.files = _list_files(self.opts.paths, self.opts.glob)
+        self.invalid_utf8 = 0
+
+    def _texts(self) -> Iterator[str]:
+        sep = self.opts.doc_separator
+        for path in self.files:
+            lines: list[str] = []
+            with open(path, "rb") as f:
+                for raw in f:
+                    line, bad = _decode(raw)
+                    self.invalid_utf8 += bad
+                    if sep is not None and line.strip() == sep:
+                        yield "".join(lines)
+                        lines = []
+                    else:
+                        lines.append(line)
+            yield "".join(lines)
+
+    def documents(self) -> Iterator[Document]:
+        self.invalid_utf8 = 0
+        yield from _take(filter(None, map(segment, self._texts())), self.opts.max_documents)
+
+
+@dataclass
+class JsonlOptions:
+    paths: Any = None
+    glob: str = "*.jsonl"
+    text_field: str = "text"
+    max_documents: int | None = None
+
+    def __post_init__(self) -> None:
+        _limit(self.max_documents)
+
+
+class JsonlSource:
+    """JSON Lines files: one document per line, its text under ``text_field``."""
+
+    Options = JsonlOptions
+
+    def __init__(self, **options: Any) -> None:
+        self.opts: JsonlOptions = from_dict(JsonlOptions, options, "jsonl source")
+        self.files = _list_files(self.opts.paths, self.opts.glob)
+        self.invalid_utf8 = 0
+
+    def _texts(self) -> Iterator[str]:
+        field = self.opts.text_field
+        for path in self.files:
+            with open(path, "rb") as f:
+                for number, raw in enumerate(f, 1):
+                    line, bad = _decode(raw)
+                    self.invalid_utf8 += bad
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as err:
+                        raise DataError(f"{path}:{number}: invalid JSON ({err.msg})") from None
+                    if not isinstance(record, dict) or not isinstance(record.get(field), str):
+                        raise DataError(f"{path}:{number}: no string field '{field}'; set text_field to the field "
+                                        "holding the text")
+                    yield record[field]
+
+    def documents(self) -> Iterator[Document]:
+        self.invalid_utf8 = 0
+        yield from _take(filter(None, map(segment, self._texts())), self.opts.max_documents)
+
+
+@dataclass
+class HFOptions:
+    name: str | None = None  # hub name ("HuggingFaceFW/fineweb"), local directory, or builder ("json")
+    config_name: str | None = None
+    split: str = "train"
+    streaming: bool = True
+    data_files: Any = None
+    data_dir: str | None = None
+    revision: str | None = None
+    text_field: str = "text"
+    max_documents: int | None = None
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.name, str) and bool(self.name), "hf source needs 'name' (a dataset name or path)")
+        _limit(self.max_documents)
+
+
+class HFSource:
+    """A Hugging Face dataset via ``datasets.load_dataset``; streaming reads remote corpora without
+    downloading them whole (FineWeb is ~45 TB)."""
+
+    Options = HFOptions
+
+    def __init__(self, **options: Any) -> None:
+        self.opts: HFOptions = from_dict(HFOptions, options, "hf source")
+        self.invalid_utf8 = 0  # datasets decodes text itself
+
+    def _texts(self) -> Iterator[str]:
+        import datasets
+
+        o = self.opts
+        try:
+            ds = datasets.load_dataset(o.name, o.config_name, split=o.split, streaming=o.streaming,
+                                       data_files=o.data_files, data_dir=o.data_dir, revision=o.revision)
+        except (FileNotFoundError, ValueError, ConnectionError, OSError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise DataError(f"cannot load Hugging Face dataset '{o.name}': {first}") from None
+        for i, row in enumerate(ds):
+            text = row.get(o.text_field)
+            if not isinstance(text, str):
+                raise DataError(f"dataset '{o.name}' row {i}: no string field '{o.text_field}' "
+                                f"(fields: {', '.join(row)}); set text_field")
+            yield text
+
+    def documents(self) -> Iterator[Document]:
+        yield from _take(filter(None, map(segment, self._texts())), self.opts.max_documents)
+
+
+class SyntheticSource(SyntheticCorpus):
+    Options = SyntheticOptions
+    invalid_utf8 = 0
+
+
+def _take(docs: Iterator[Document], limit: int | None) -> Iterator[Document]:
+    for i, doc in enumerate(docs):
+        if limit is not None and i >= limit:
+            return
+        yield doc
+
+
+SOURCES: dict[str, type] = {"synthetic": SyntheticSource, "text": TextSource, "jsonl": JsonlSource, "hf": HFSource}
+
+
+def parse_source(config: Any) -> tuple[type, dict[str, Any]]:
+    """Validate a source mapping ``{type: NAME, ...options}`` without touching files or the network."""
+    if not isinstance(config, dict) or "type" not in config:
+        raise ConfigError(f"data.source must be a mapping with a 'type' ({', '.join(SOURCES)}), got {config!r}")
+    options = {k: v for k, v in config.items() if k != "type"}
+    if config["type"] not in SOURCES:
+        raise ConfigError(unknown_key_message("source type", str(config["type"]), SOURCES))
+    cls = SOURCES[config["type"]]
+    from_dict(cls.Options, options, f"{config['type']} source")
+    return cls, options
+
+
+def open_source(config: dict[str, Any]):
+    """The source object for a mapping: checks that files exist; opens nothing remote yet."""
+    cls, options = parse_source(config)
+    return cls(**options)
+
+
+def document_text(doc: Document) -> tuple[str, list[int], list[int]]:
+    """The text a document is tokenised as (sentences joined by a space, paragraphs by a blank line),
+    with each sentence's end offset and paragraph index."""
+    parts, ends, paragraph, pos = [], [], [], 0
+    for p, sentences in enumerate(doc):
+        for s, sentence in enumerate(sentences):
+            sep = "" if pos == 0 else " " if s else "\n\n"
+            parts.append(sep + sentence)
+            pos += len(sep) + len(sentence)
+            ends.append(pos)
+            paragraph.append(p)
+    return "".join(parts), ends, paragraph

@@ -1,0 +1,122 @@
+"""Tokenizers: train WordPiece or byte-level BPE with Hugging Face ``tokenizers``, or load a local one.
+
+The pipeline works on the Rust ``tokenizers.Tokenizer`` (batch encoding with character offsets, which is
+how structure labels reach tokens); sources expose a ``transformers.PreTrainedTokenizerFast`` wrapping the
+same object for decoding and for saving next to checkpoints.
+
+Special tokens are named by role (``TokenizerConfig.special_tokens``): cls, sep and pad are always
+needed (sequence start, document separator, padding); mask is needed for masked-LM data and may be set to
+null for causal-LM-only data; unk is optional. A tokenizer whose vocabulary lacks a needed token is
+rejected with the role and token named.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+from poslab.data.config import TokenizerConfig
+from poslab.errors import DataError
+
+REQUIRED_ROLES = ("cls", "sep", "pad")
+
+
+def _wordpiece(cfg: TokenizerConfig, specials: list[str]) -> tuple[Tokenizer, trainers.Trainer]:
+    """BERT's layout: BERT normaliser (lower-casing optional), punctuation/whitespace split, ## pieces."""
+    tok = Tokenizer(models.WordPiece(unk_token=cfg.special_tokens.get("unk") or "[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=cfg.lowercase)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    trainer = trainers.WordPieceTrainer(vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency,
+                                        special_tokens=specials)
+    return tok, trainer
+
+
+def _bpe(cfg: TokenizerConfig, specials: list[str]) -> tuple[Tokenizer, trainers.Trainer]:
+    """GPT-2's layout: byte-level BPE (never unknown), NFC normalisation, optional lower-casing."""
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.Sequence([normalizers.NFC()] + ([normalizers.Lowercase()] if cfg.lowercase else []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    return tok, trainer
+
+
+TRAINABLE = {"wordpiece": _wordpiece, "bpe": _bpe}
+
+
+@dataclass(frozen=True)
+class SpecialIds:
+    cls: int
+    sep: int
+    pad: int
+    mask: int | None
+    unk: int | None
+
+    @property
+    def all(self) -> list[int]:
+        return sorted({i for i in (self.cls, self.sep, self.pad, self.mask, self.unk) if i is not None})
+
+
+def special_ids(tok: Tokenizer, cfg: TokenizerConfig, where: str) -> SpecialIds:
+    """Ids of the special tokens by role; DataError naming the first needed token the vocabulary lacks."""
+    ids: dict[str, int | None] = {}
+    for role, token in cfg.special_tokens.items():
+        ids[role] = None if token is None else tok.token_to_id(token)
+        needed = role in REQUIRED_ROLES or (role == "mask" and token is not None)
+        if needed and ids[role] is None:
+            raise DataError(f"tokenizer {where} has no {role} token '{token}'; add it to the tokenizer or map the "
+                            f"role to one it has with tokenizer.special_tokens.{role}")
+    return SpecialIds(**ids)
+
+
+def train_tokenizer(cfg: TokenizerConfig, texts: Iterable[str]) -> Tokenizer:
+    specials = [t for t in cfg.special_tokens.values() if t is not None]
+    tok, trainer = TRAINABLE[cfg.type](cfg, list(dict.fromkeys(specials)))
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """A local tokenizer directory (or tokenizer.json file): tokenizers' own format first, else whatever
+    transformers' AutoTokenizer reads offline, as long as it is a fast (Rust-backed) tokenizer."""
+    path = Path(path)
+    if path.is_file():
+        return Tokenizer.from_file(str(path))
+    if (path / "tokenizer.json").is_file():
+        return Tokenizer.from_file(str(path / "tokenizer.json"))
+    if not path.is_dir():
+        raise DataError(f"no tokenizer at {path}: expected a directory with tokenizer.json (or vocab files)")
+    from transformers import AutoTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise DataError(f"cannot load tokenizer from {path}: {str(err).splitlines()[0]}") from None
+    if not getattr(hf, "is_fast", False):
+        raise DataError(f"tokenizer at {path} has no fast (Rust) version; convert it or save tokenizer.json")
+    return hf.backend_tokenizer
+
+
+def save_tokenizer(tok: Tokenizer, ids: SpecialIds, cfg: TokenizerConfig, directory: Path):
+    """Save as a transformers tokenizer directory (AutoTokenizer-loadable) that adds [CLS] ... [SEP] the
+    way the pipeline does; returns the PreTrainedTokenizerFast."""
+    from transformers import PreTrainedTokenizerFast
+
+    cls, sep = cfg.special_tokens["cls"], cfg.special_tokens["sep"]
+    tok.post_processor = processors.TemplateProcessing(single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B {sep}",
+                                                       special_tokens=[(cls, ids.cls), (sep, ids.sep)])
+    named = {f"{role}_token": token for role, token in cfg.special_tokens.items()
+             if token is not None and getattr(ids, role) is not None}
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, **named)
+    hf.save_pretrained(str(directory))
+    return hf
+
+
+def load_hf_tokenizer(directory: Path):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(str(directory))
