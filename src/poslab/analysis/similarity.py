@@ -96,7 +96,9 @@ def adjacency_row_scores(sim: torch.Tensor) -> torch.Tensor:
     if n < 3:
         return torch.full((*batch, n), float("nan"), dtype=torch.float64, device=dev)
 
-    masked = torch.where(earlier & torch.isfinite(rows), rows, torch.inf)
+    # Non-finite entries (their rows end up NaN anyway) become 0 so that each row still ranks its k
+    # earlier values 0..k-1 below the +inf pads.
+    masked = torch.where(earlier, torch.where(torch.isfinite(rows), rows, 0.0), torch.inf)
     sorted_vals, order = torch.sort(masked.flip(-1), dim=-1, stable=True)
     ties = _tie_pairs(sorted_vals.view(B * n, n)).view(B, n) - (n - k) * (n - k - 1) // 2
     rank = torch.empty((B, n, n), dtype=torch.int32, device=dev)
