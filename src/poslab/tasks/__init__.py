@@ -1,0 +1,48 @@
+"""Synthetic diagnostic tasks: one file each, a registry, a character tokenizer, batch sources.
+
+Tasks: indirect indexing (PoPE paper) and addition, reversal, indexing, ordering (adjacency paper).
+Each module's docstring gives its exact string format and what its length counts; ``source.py``
+explains the sequence layout, labels and the non-overlapping splits.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from poslab.errors import ConfigError, unknown_key_message
+from poslab.tasks.addition import Addition
+from poslab.tasks.base import Task, TaskOptions, parse_options
+from poslab.tasks.evaluate import evaluate, exact_match
+from poslab.tasks.indexing import Indexing
+from poslab.tasks.indirect_indexing import IndirectIndexing
+from poslab.tasks.ordering import Ordering
+from poslab.tasks.reversal import Reversal
+from poslab.tasks.source import TaskSource
+from poslab.tasks.tokenizer import CharTokenizer
+
+TASKS: dict[str, type[Task]] = {
+    "indirect_indexing": IndirectIndexing,
+    "addition": Addition,
+    "reversal": Reversal,
+    "indexing": Indexing,
+    "ordering": Ordering,
+}
+
+
+def get_task(name: str) -> type[Task]:
+    if name not in TASKS:
+        raise ConfigError(unknown_key_message("task", name, TASKS))
+    return TASKS[name]
+
+
+def build_task(name: str, **options: Any) -> Task:
+    cls = get_task(name)
+    return cls(parse_options(cls.Options, options))
+
+
+def build_batch_source(seed: int, name: str, **options: Any) -> TaskSource:
+    """The BatchSource of task `name` (the builder behind data kind 'task' in poslab.batches)."""
+    return TaskSource(build_task(name, **options), seed)
+
+
+__all__ = ["TASKS", "CharTokenizer", "Task", "TaskOptions", "TaskSource", "build_batch_source", "build_task",
+           "evaluate", "exact_match", "get_task"]

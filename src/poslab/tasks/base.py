@@ -1,0 +1,180 @@
+"""What every task shares: its options, its interface, and vectorised string building.
+
+A task writes whole batches of problems at once with numpy, so that data never slows training: a
+batch of strings is a ``Ragged`` pair -- ASCII codes ``(batch, width)`` uint8 right-padded with 0, and
+lengths ``(batch,)`` int64 -- and formats are assembled by concatenating ragged pieces column-wise.
+
+Every task measures a problem by one integer *length* (each task's docstring says what it counts);
+``min_len``/``max_len`` bound it, and ``train_max_len`` cuts a length-generalisation split.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import types
+import typing
+from typing import Any, ClassVar, NamedTuple
+
+import numpy as np
+
+from poslab.errors import ConfigError, require, unknown_key_message
+
+
+class Ragged(NamedTuple):
+    """A batch of strings: codes (batch, width) (ASCII codes or token ids), 0 past each row's length."""
+
+    codes: np.ndarray
+    lens: np.ndarray
+
+    def strings(self) -> list[str]:
+        return [row[:n].tobytes().decode("ascii") for row, n in zip(self.codes.astype(np.uint8), self.lens)]
+
+    def take(self, rows: np.ndarray) -> Ragged:
+        lens = self.lens[rows]
+        return Ragged(self.codes[rows, : max(int(lens.max(initial=0)), 1)], lens)
+
+
+def text(s: str, batch: int) -> Ragged:
+    """The same string in every row."""
+    codes = np.frombuffer(s.encode("ascii"), dtype=np.uint8)
+    return Ragged(np.broadcast_to(codes, (batch, len(s))), np.full(batch, len(s), dtype=np.int64))
+
+
+def digits(values: np.ndarray, lens: np.ndarray) -> Ragged:
+    """Digit values (batch, width) 0..9, most significant first -> their characters."""
+    width = values.shape[1]
+    codes = np.where(np.arange(width) < lens[:, None], values + ord("0"), 0).astype(np.uint8)
+    return Ragged(codes, lens.astype(np.int64))
+
+
+def number(values: np.ndarray) -> Ragged:
+    """Non-negative integers (batch,) -> their decimal strings, no leading zeros."""
+    width = len(str(int(values.max(initial=0))))
+    powers = 10 ** np.arange(width - 1, -1, -1, dtype=np.int64)
+    lens = np.maximum((values[:, None] >= powers).sum(axis=1), 1)
+    padded = values[:, None] // powers % 10  # (batch, width), leading zeros included
+    shift = np.clip((width - lens)[:, None] + np.arange(width), 0, width - 1)
+    return digits(np.take_along_axis(padded, shift, axis=1), lens)
+
+
+def reverse(values: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Reverse each row's first lens[i] entries; 0 beyond them."""
+    width = values.shape[1]
+    index = lens[:, None] - 1 - np.arange(width)
+    return np.where(index >= 0, np.take_along_axis(values, np.maximum(index, 0), axis=1), 0).astype(values.dtype)
+
+
+def concat(*parts: Ragged) -> Ragged:
+    """Row-wise concatenation of ragged pieces (every piece has the same batch size)."""
+    batch = len(parts[0].lens)
+    lens = sum(p.lens for p in parts)
+    out = np.zeros((batch, int(lens.max(initial=0))), dtype=np.result_type(*(p.codes for p in parts)))
+    offset = np.zeros(batch, dtype=np.int64)
+    for part in parts:
+        cols = np.arange(part.codes.shape[1])
+        keep = cols < part.lens[:, None]
+        rows = np.broadcast_to(np.arange(batch)[:, None], keep.shape)
+        out[rows[keep], (offset[:, None] + cols)[keep]] = part.codes[keep]
+        offset += part.lens
+    return Ragged(out, lens)
+
+
+def stack(parts: list[Ragged]) -> Ragged:
+    """Stack batches of strings (possibly of different widths) into one batch."""
+    width = max(p.codes.shape[1] for p in parts)
+    codes = np.concatenate([np.pad(p.codes, ((0, 0), (0, width - p.codes.shape[1]))) for p in parts])
+    return Ragged(codes, np.concatenate([p.lens for p in parts]))
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskOptions:
+    """Options every task has; each task subclasses this with its own defaults and fields.
+
+    Lengths are in the task's own unit (see its docstring). Splits: ``holdout`` of the problem space
+    (chosen by a hash of the problem, salted with ``data_seed``) is reserved for validation and as
+    much again for test, so training never sees an evaluation problem. With ``train_max_len`` set,
+    train/validation/test use lengths <= train_max_len and the ``test_long`` split the longer ones.
+    ``train_size`` None samples fresh training problems every step; an integer fixes a pool of that
+    many, drawn from ``data_seed`` and visited in a ``seed``-dependent order, epoch after epoch.
+    """
+
+    task: ClassVar[str] = ""
+    shortest: ClassVar[int] = 1  # the shortest length the format can express
+
+    min_len: int = 1
+    max_len: int = 1
+    train_max_len: int | None = None
+    train_size: int | None = None
+    validation_size: int = 2000
+    test_size: int = 20000
+    holdout: float = 0.05
+    data_seed: int = 0
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            check_type(f"{self.task}.{f.name}", getattr(self, f.name), hints[f.name])
+        t = self.task
+        require(self.min_len >= self.shortest, f"{t}.min_len must be >= {self.shortest}, got {self.min_len}")
+        require(self.max_len >= self.min_len,
+                f"{t}.max_len ({self.max_len}) must be >= min_len ({self.min_len})")
+        require(self.train_max_len is None or self.min_len <= self.train_max_len < self.max_len,
+                f"{t}.train_max_len must lie in [min_len, max_len) = [{self.min_len}, {self.max_len}), "
+                f"got {self.train_max_len}")
+        for name in ("train_size", "validation_size", "test_size"):
+            value = getattr(self, name)
+            require(value is None or value >= 1, f"{t}.{name} must be >= 1, got {value}")
+        require(0 < self.holdout < 0.5, f"{t}.holdout must lie in (0, 0.5), got {self.holdout}")
+        require(self.data_seed >= 0, f"{t}.data_seed must be >= 0, got {self.data_seed}")
+
+
+def check_type(name: str, value: Any, hint: Any) -> None:
+    """Raise ConfigError unless value fits the annotation (int, float, str, bool, or X | None)."""
+    allowed = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    for kind in allowed:
+        if kind is type(None) and value is None:
+            return
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return
+        if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            return
+        if kind in (str, bool) and isinstance(value, kind):
+            return
+    names = " or ".join("null" if k is type(None) else k.__name__ for k in allowed)
+    raise ConfigError(f"{name} must be {names}, got {value!r}")
+
+
+def parse_options(cls: type[TaskOptions], options: dict[str, Any]) -> TaskOptions:
+    fields = {f.name for f in dataclasses.fields(cls)}
+    for key in options:
+        if key not in fields:
+            raise ConfigError(unknown_key_message(f"option for task '{cls.task}'", key, fields))
+    return cls(**options)
+
+
+class Task(abc.ABC):
+    """One synthetic task. Subclasses set the class attributes and implement the abstract methods."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]  # one line for `poslab tasks list`
+    Options: ClassVar[type[TaskOptions]]
+    end_token: ClassVar[bool] = True  # whether the answer ends with <eos> (so greedy decoding can stop)
+
+    def __init__(self, options: TaskOptions) -> None:
+        self.options = options
+
+    @abc.abstractmethod
+    def alphabet(self) -> str:
+        """Every character a problem or answer can contain."""
+
+    def lengths(self) -> np.ndarray:
+        """The lengths in [min_len, max_len] that problems can have (some formats skip some)."""
+        return np.arange(self.options.min_len, self.options.max_len + 1)
+
+    @abc.abstractmethod
+    def max_chars(self) -> int:
+        """The longest prompt plus answer, in characters."""
+
+    @abc.abstractmethod
+    def sample(self, rng: np.random.Generator, lengths: np.ndarray) -> tuple[Ragged, Ragged]:
+        """One problem per entry of lengths (batch,) -> (prompt, answer) as ASCII ``Ragged``."""

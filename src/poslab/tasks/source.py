@@ -1,0 +1,208 @@
+"""A task's ``BatchSource`` (see ``poslab.batches``): deterministic batches of token ids.
+
+Sequence layout: ``<bos> prompt answer [<eos>] <pad> ...`` (right padding). ``labels`` hold the token
+ids of the answer and its <eos> (the targets of exact match) and -100 everywhere else, unshifted:
+a causal model predicts labels[i] from positions < i, as Hugging Face models do.
+
+Splits never overlap. A problem's split is a function of the problem itself: a 64-bit hash of its
+prompt, salted with ``data_seed``, maps it to u in [0, 1); u < holdout is validation, u < 2 holdout
+test, the rest train. Evaluation sets are i.i.d. draws restricted to their part of the problem space
+(small spaces repeat problems, as the paper's fixed-size sets must), and training draws reject the
+held-out parts, so no training batch ever holds a validation or test problem. ``test_long`` draws
+only lengths above ``train_max_len``, which training never draws.
+
+Determinism: evaluation sets and a fixed training pool depend on (options, data_seed) only; the
+training batch of a step depends on (options, data_seed, seed, step, global batch size) only, so a
+resumed run and every data-parallel rank rebuild it without coordination.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from poslab.errors import ConfigError, DataError, require, unknown_key_message
+from poslab.tasks.base import Ragged, Task, concat, stack
+from poslab.tasks.tokenizer import CharTokenizer
+
+# Separate random streams; the numbers only have to differ.
+STREAMS = {"train": 0, "pool": 1, "order": 2, "validation": 3, "test": 4, "test_long": 5}
+BUCKETS = {"train": 0, "validation": 1, "test": 2}
+MAX_CHUNK = 1 << 16  # problems drawn at once when filling a split; bounds memory
+
+
+class Problems(NamedTuple):
+    prompt: Ragged
+    answer: Ragged
+
+    def take(self, rows: np.ndarray) -> Problems:
+        return Problems(self.prompt.take(rows), self.answer.take(rows))
+
+    def __len__(self) -> int:
+        return len(self.prompt.lens)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a bijection of uint64 that scrambles every bit."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def problem_hash(prompt: Ragged, salt: int) -> np.ndarray:
+    """(batch,) uint64 hash of each prompt's characters, independent of the padding width."""
+    width = prompt.codes.shape[1]
+    cols = np.arange(width, dtype=np.uint64)
+    salted = _mix(np.full(1, salt, dtype=np.uint64))
+    # (position, character) pairs are distinct integers, and _mix keeps them distinct.
+    terms = _mix(((cols << np.uint64(8)) | prompt.codes.astype(np.uint64)) ^ salted)
+    terms = np.where(np.arange(width) < prompt.lens[:, None], terms, np.uint64(0))
+    return _mix(terms.sum(axis=1, dtype=np.uint64) ^ prompt.lens.astype(np.uint64))
+
+
+class TaskSource:
+    """Batches of one task for training and evaluation (implements ``poslab.batches.BatchSource``).
+
+    ``max_seq_len`` is the longest sequence any split can produce (<bos> and <eos> included).
+    """
+
+    def __init__(self, task: Task, seed: int) -> None:
+        require(isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0,
+                f"seed must be a non-negative integer, got {seed!r}")
+        self.task, self.options, self.seed = task, task.options, seed
+        self.tokenizer = CharTokenizer("".join(sorted(set(task.alphabet()))))
+        self.vocab_size = self.tokenizer.vocab_size
+        self.max_seq_len = 1 + task.max_chars() + int(task.end_token)
+        o = self.options
+        possible = task.lengths()
+        cut = o.max_len if o.train_max_len is None else o.train_max_len
+        self._lengths = {"train": possible[possible <= cut], "test_long": possible[possible > cut]}
+        lengths = ", ".join(map(str, possible)) or "none"
+        require(len(self._lengths["train"]) > 0,
+                f"task '{task.name}' has no problem of length in [{o.min_len}, {cut}] (lengths in "
+                f"[min_len, max_len]: {lengths}); widen the range")
+        require(o.train_max_len is None or len(self._lengths["test_long"]) > 0,
+                f"task '{task.name}' has no problem longer than train_max_len={cut} up to max_len={o.max_len} "
+                f"(lengths: {lengths}); raise max_len or lower train_max_len")
+        self._sets: dict[str, Problems] = {}
+        self._orders: dict[int, np.ndarray] = {}
+
+    @property
+    def splits(self) -> tuple[str, ...]:
+        """The evaluation splits, in order."""
+        return ("validation", "test") + (("test_long",) if self.options.train_max_len is not None else ())
+
+    # ---- drawing problems -------------------------------------------------------------------
+
+    def split_of(self, prompt: Ragged) -> np.ndarray:
+        """(batch,) 0 = train, 1 = validation, 2 = test, from the prompt alone."""
+        u = (problem_hash(prompt, self.options.data_seed) >> np.uint64(11)).astype(np.float64) * 2.0**-53
+        h = self.options.holdout
+        return np.where(u < h, BUCKETS["validation"], np.where(u < 2 * h, BUCKETS["test"], BUCKETS["train"]))
+
+    def _draw(self, rng: np.random.Generator, count: int, lengths: np.ndarray, bucket: int | None,
+              what: str) -> Problems:
+        """count problems with lengths uniform over `lengths`, kept only if they hash into `bucket`."""
+        h = self.options.holdout
+        rate = 1.0 if bucket is None else (1 - 2 * h if bucket == BUCKETS["train"] else h)
+        limit = 20 * count / rate + 100_000
+        parts, found, drawn = [], 0, 0
+        while found < count:
+            size = min(MAX_CHUNK, int((count - found) / rate * 1.1) + 8)
+            problems = Problems(*self.task.sample(rng, rng.choice(lengths, size=size)))
+            keep = np.arange(size) if bucket is None else np.flatnonzero(self.split_of(problems.prompt) == bucket)
+            parts.append(problems.take(keep))
+            found, drawn = found + len(keep), drawn + size
+            if found < count and drawn >= limit:
+                raise DataError(
+                    f"task '{self.task.name}': only {found} of {count} {what} problems among {drawn} draws; the "
+                    f"problem space is too small for this split: raise holdout or max_len, or lower the size")
+        merged = Problems(stack([p.prompt for p in parts]), stack([p.answer for p in parts]))
+        return merged.take(np.arange(count))
+
+    def _eval_set(self, split: str) -> Problems:
+        if split not in self.splits:
+            raise ConfigError(unknown_key_message(f"split of task '{self.task.name}'", split, self.splits))
+        if split not in self._sets:
+            o = self.options
+            size = o.validation_size if split == "validation" else o.test_size
+            rng = np.random.default_rng([o.data_seed, STREAMS[split]])
+            lengths = self._lengths["test_long" if split == "test_long" else "train"]
+            self._sets[split] = self._draw(rng, size, lengths, BUCKETS.get(split), split)
+        return self._sets[split]
+
+    def _order(self, epoch: int) -> np.ndarray:
+        """The order in which epoch `epoch` visits the training pool; the last two are kept."""
+        if epoch not in self._orders:
+            rng = np.random.default_rng([self.seed, STREAMS["order"], epoch])
+            self._orders = {e: o for e, o in self._orders.items() if e == epoch - 1}
+            self._orders[epoch] = rng.permutation(self.options.train_size)
+        return self._orders[epoch]
+
+    def _train_problems(self, step: int, batch_size: int) -> Problems:
+        o = self.options
+        if o.train_size is None:
+            rng = np.random.default_rng([o.data_seed, self.seed, STREAMS["train"], step])
+            return self._draw(rng, batch_size, self._lengths["train"], BUCKETS["train"], "train")
+        if "train" not in self._sets:
+            rng = np.random.default_rng([o.data_seed, STREAMS["pool"]])
+            self._sets["train"] = self._draw(rng, o.train_size, self._lengths["train"], BUCKETS["train"], "train")
+        index = np.arange(step * batch_size, (step + 1) * batch_size)
+        epoch, position = np.divmod(index, o.train_size)
+        rows = np.empty(batch_size, dtype=np.int64)
+        for e in np.unique(epoch):
+            rows[epoch == e] = self._order(int(e))[position[epoch == e]]
+        return self._sets["train"].take(rows)
+
+    # ---- batches ------------------------------------------------------------------------------
+
+    def to_batch(self, problems: Problems) -> dict[str, torch.Tensor]:
+        """Problems -> input_ids, labels, attention_mask, each (batch, longest sequence) int64."""
+        tok, batch = self.tokenizer, len(problems)
+        one = np.ones(batch, dtype=np.int64)
+        parts = [Ragged(np.full((batch, 1), tok.bos_id), one),
+                 Ragged(tok.ids_of_codes(problems.prompt.codes), problems.prompt.lens),
+                 Ragged(tok.ids_of_codes(problems.answer.codes), problems.answer.lens)]
+        if self.task.end_token:
+            parts.append(Ragged(np.full((batch, 1), tok.eos_id), one))
+        seq = concat(*parts)
+        cols = np.arange(seq.codes.shape[1])
+        answer = (cols >= 1 + problems.prompt.lens[:, None]) & (cols < seq.lens[:, None])
+        return {
+            "input_ids": torch.from_numpy(seq.codes),
+            "labels": torch.from_numpy(np.where(answer, seq.codes, -100)),
+            "attention_mask": torch.from_numpy((cols < seq.lens[:, None]).astype(np.int64)),
+        }
+
+    def train_batch(self, step: int, batch_size: int, rank: int = 0, world_size: int = 1) -> dict[str, torch.Tensor]:
+        """Rank `rank`'s batch_size // world_size rows of the global batch of `step`.
+
+        Every rank pads to the global batch's longest sequence, so the ranks' slices concatenate to
+        exactly the batch that one process gets with world_size=1.
+        """
+        require(step >= 0, f"step must be >= 0, got {step}")
+        require(batch_size >= 1, f"batch_size must be >= 1, got {batch_size}")
+        require(world_size >= 1 and 0 <= rank < world_size, f"need 0 <= rank < world_size, got {rank}, {world_size}")
+        require(batch_size % world_size == 0,
+                f"the global batch_size ({batch_size}) must be divisible by the number of processes ({world_size})")
+        per_rank = batch_size // world_size
+        batch = self.to_batch(self._train_problems(step, batch_size))
+        return {k: v[rank * per_rank:(rank + 1) * per_rank] for k, v in batch.items()}
+
+    def eval_batches(self, split: str, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
+        """Every problem of `split` in order, batch_size at a time (the last batch may be smaller)."""
+        require(batch_size >= 1, f"batch_size must be >= 1, got {batch_size}")
+        problems = self._eval_set(split)
+        for start in range(0, len(problems), batch_size):
+            yield self.to_batch(problems.take(np.arange(start, min(start + batch_size, len(problems)))))
+
+    def examples(self, split: str, count: int) -> list[tuple[str, str]]:
+        """The first `count` (prompt, answer) strings of a split ('train' = the batch of step 0)."""
+        require(count >= 1, f"count must be >= 1, got {count}")
+        if split not in ("train", *self.splits):
+            raise ConfigError(unknown_key_message(f"split of task '{self.task.name}'", split, ("train", *self.splits)))
+        problems = self._train_problems(0, count) if split == "train" else self._eval_set(split)
+        problems = problems.take(np.arange(min(count, len(problems))))
+        return list(zip(problems.prompt.strings(), problems.answer.strings()))
