@@ -1,0 +1,5 @@
+import sys
+
+from poslab.cli import main
+
+sys.exit(main())

@@ -1,0 +1,49 @@
+"""The ``poslab`` command: a thin layer over the library. Each subcommand lives next to the code it
+drives, in a module with ``register(subparsers)``; this file only lists those modules and turns
+user errors into one line on stderr with exit code 2."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from poslab.errors import PoslabError
+
+COMMAND_MODULES = [
+    "poslab.demo",
+]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line instead of usage + message
+        raise PoslabError(f"{self.prog}: {message} (see '{self.prog} --help')")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="poslab", description=__doc__.split("\n")[0])
+    from poslab import __version__
+
+    parser.add_argument("--version", action="version", version=f"poslab {__version__}")
+    subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return int(args.func(args) or 0)
+    except PoslabError as err:
+        print(f"poslab: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # unreadable input, unwritable output: the user's to fix
+        print(f"poslab: error: {err.strerror or err}: {err.filename or ''}".rstrip(": "), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("poslab: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
