@@ -1,0 +1,33 @@
+"""``poslab train CONFIG --out DIR [--resume | --overwrite] [--set key.path=value ...]``.
+
+Under torchrun every process runs the same command: ``torchrun --nproc_per_node 4 -m poslab.cli train ...``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from poslab.train import load_config, train
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("train", help="train a model from a YAML run config",
+                              description="Train a model from a YAML run config and write a run directory "
+                                          "(config.yaml, metrics.jsonl, checkpoints/last and best).")
+    p.add_argument("config", help="run config YAML (seed, model, data, train)")
+    p.add_argument("--out", required=True, help="run directory to create")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true", help="continue the run in --out from checkpoints/last")
+    mode.add_argument("--overwrite", action="store_true", help="delete the run in --out and start again")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set train.lr=1e-3 (repeatable; values are YAML)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.overrides)
+    final = train(config, args.out, resume=args.resume, overwrite=args.overwrite)
+    if int(os.environ.get("RANK", 0)) == 0:  # one summary line, not one per torchrun process
+        print(json.dumps(final))
+    return 0

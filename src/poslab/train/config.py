@@ -1,0 +1,250 @@
+"""The run configuration: YAML -> typed dataclasses, validated when built.
+
+A run config has four sections::
+
+    seed: 0
+    model: {arch: decoder, vocab_size: null, d_model: 128, ...}   # poslab.models.ModelConfig fields
+    data:  {kind: task, task: indirect_indexing, ...}              # kind + the source builder's keywords
+    train: {steps: 2000, batch_size: 64, lr: 3.0e-4, ...}          # TrainConfig below
+
+``model.vocab_size`` null (or absent) is taken from the data source, so a config never repeats the
+tokenizer's size.
+Every error names the offending key (``train.lr``) and what to change; unknown keys get the closest valid
+spelling. ``--set train.lr=1e-3`` overrides parse their value as YAML.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from poslab.batches import SOURCES, BatchSource, build_batch_source
+from poslab.errors import ConfigError, require, unknown_key_message
+from poslab.models import ModelConfig
+
+PRECISIONS = ("auto", "fp32", "bf16")
+SCHEDULES = ("cosine", "constant")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation, evaluation and bookkeeping. Steps count optimizer updates; 0 disables a periodic action.
+
+    ``batch_size`` is the global batch (sequences per optimizer step, over all ranks and accumulation
+    micro-steps): a run's result does not depend on how many processes share it.
+    """
+
+    steps: int = 1000
+    batch_size: int = 32
+    grad_accum: int = 1
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 100
+    schedule: str = "cosine"
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    eval_every: int = 0
+    eval_split: str = "validation"
+    eval_batch_size: int | None = None
+    eval_batches: int | None = None
+    best_metric: str = "loss"
+    best_mode: str = "min"
+    checkpoint_every: int = 0
+    log_every: int = 10
+    precision: str = "auto"
+    compile: bool = False
+    fsdp: bool = False
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "grad_accum", "log_every"):
+            require(getattr(self, name) >= 1, f"train.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup_steps", "eval_every", "checkpoint_every"):
+            require(getattr(self, name) >= 0, f"train.{name} must be >= 0 (0 disables it), got {getattr(self, name)}")
+        require(self.batch_size % self.grad_accum == 0,
+                f"train.grad_accum ({self.grad_accum}) must divide train.batch_size ({self.batch_size})")
+        require(self.warmup_steps <= self.steps,
+                f"train.warmup_steps ({self.warmup_steps}) must not exceed train.steps ({self.steps})")
+        require(self.lr > 0 and math.isfinite(self.lr), f"train.lr must be a positive number, got {self.lr}")
+        require(0 <= self.min_lr <= self.lr, f"train.min_lr must lie in [0, train.lr={self.lr}], got {self.min_lr}")
+        require(self.weight_decay >= 0, f"train.weight_decay must be >= 0, got {self.weight_decay}")
+        require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+                f"train.betas must be two numbers in [0, 1), got {list(self.betas)}")
+        require(self.eps > 0, f"train.eps must be > 0, got {self.eps}")
+        require(self.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip}")
+        require(self.eval_batch_size is None or self.eval_batch_size >= 1,
+                f"train.eval_batch_size must be >= 1 or null (= batch_size), got {self.eval_batch_size}")
+        require(self.eval_batches is None or self.eval_batches >= 1,
+                f"train.eval_batches must be >= 1 or null (the whole split), got {self.eval_batches}")
+        require(self.best_mode in ("min", "max"), f"train.best_mode must be min or max, got '{self.best_mode}'")
+        for name, valid in (("schedule", SCHEDULES), ("precision", PRECISIONS), ("device", DEVICES)):
+            require(getattr(self, name) in valid,
+                    f"train.{name} must be one of {', '.join(valid)}, got '{getattr(self, name)}'")
+
+
+@dataclass
+class DataConfig:
+    """``kind`` picks a builder in ``poslab.batches.SOURCES``; ``options`` are its keyword arguments."""
+
+    kind: str = "task"
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind not in SOURCES:
+            raise ConfigError(unknown_key_message("data kind", self.kind, SOURCES))
+
+    def build(self, seed: int) -> BatchSource:
+        """The batch source. Unknown options are named here, before the builder sees them."""
+        module, name = SOURCES[self.kind].split(":")
+        builder = getattr(importlib.import_module(module), name)
+        params = inspect.signature(builder).parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            valid = [p for p in params if p != "seed"]
+            for key in self.options:
+                if key not in valid:
+                    raise ConfigError(unknown_key_message(f"data option for kind '{self.kind}'", key, valid))
+        return build_batch_source(self.kind, seed=seed, **self.options)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, **self.options}
+
+
+@dataclass
+class RunConfig:
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> RunConfig:
+        """Validate a parsed YAML mapping; a null ``model.vocab_size`` is read from the data source."""
+        require(isinstance(raw, dict), f"a run config must be a mapping of seed/model/data/train, got {type(raw).__name__}")
+        _reject_unknown(raw, [f.name for f in dataclasses.fields(cls)], "top-level key")
+        seed = _coerce(int, raw.get("seed", 0), "seed")
+        data_raw = dict(_mapping(raw.get("data", {}), "data"))
+        data = DataConfig(kind=data_raw.pop("kind", DataConfig.kind), options=data_raw)
+        train = _build_dataclass(TrainConfig, _mapping(raw.get("train", {}), "train"), "train")
+        model_raw = dict(_mapping(raw.get("model", {}), "model"))
+        _reject_unknown(model_raw, [f.name for f in dataclasses.fields(ModelConfig)], "model key")
+        if model_raw.get("vocab_size") is None:
+            model_raw["vocab_size"] = data.build(seed).vocab_size
+        return cls(seed=seed, model=_build_dataclass(ModelConfig, model_raw, "model"), data=data, train=train)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types only (lists for tuples), so ``yaml.safe_dump`` round-trips through ``from_dict``."""
+        train = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self.train).items()}
+        return {"seed": self.seed, "model": self.model.to_dict(), "data": self.data.to_dict(), "train": train}
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
+    """Read a YAML run config, apply ``key.path=value`` overrides, validate."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(f"cannot read config {path}: {err.strerror}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        line = f" line {where.line + 1}" if where is not None else ""
+        raise ConfigError(f"{path}:{line} is not valid YAML: {getattr(err, 'problem', None) or err}") from None
+    raw = {} if raw is None else raw
+    require(isinstance(raw, dict), f"{path} must hold a mapping of seed/model/data/train, got {type(raw).__name__}")
+    for item in overrides:
+        apply_override(raw, item)
+    return RunConfig.from_dict(raw)
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Set ``a.b.c=value`` in a nested mapping; the value is parsed as YAML (``1e-3``, ``null``, ``[1, 2]``)."""
+    key, sep, text = item.partition("=")
+    require(bool(sep) and bool(key), f"--set expects key.path=value (e.g. train.lr=1e-3), got '{item}'")
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        raise ConfigError(f"--set {key}: value '{text}' is not valid YAML") from None
+    *parents, leaf = key.split(".")
+    node = raw
+    for i, part in enumerate(parents):
+        node = node.setdefault(part, {})
+        require(isinstance(node, dict), f"--set {key}: '{'.'.join(parents[:i + 1])}' is not a mapping")
+    node[leaf] = value
+
+
+def _mapping(value: Any, section: str) -> dict[str, Any]:
+    value = {} if value is None else value
+    require(isinstance(value, dict), f"{section} must be a mapping of keys to values, got {type(value).__name__}")
+    return value
+
+
+def _reject_unknown(values: dict[str, Any], valid: list[str], kind: str) -> None:
+    for key in values:
+        if key not in valid:
+            raise ConfigError(unknown_key_message(kind, str(key), valid))
+
+
+def _build_dataclass(cls: type, values: dict[str, Any], section: str) -> Any:
+    """cls(**values) with each value checked and converted to its annotated type."""
+    _reject_unknown(values, [f.name for f in dataclasses.fields(cls)], f"{section} key")
+    hints = typing.get_type_hints(cls)
+    return cls(**{k: _coerce(hints[k], v, f"{section}.{k}") for k, v in values.items()})
+
+
+def _coerce(kind: Any, value: Any, key: str) -> Any:
+    """Convert a YAML value to an annotated type, or say which key is wrong and what it needs.
+
+    YAML 1.1 reads ``3e-4`` as a string, so numbers are accepted in any spelling Python's float() takes.
+    Types outside int/float/bool/str/tuple/Optional (e.g. nested configs) pass through to their own checks.
+    """
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(inner, value, key)
+    if origin is tuple:
+        require(isinstance(value, (list, tuple)) and len(value) == len(args),
+                f"{key} must be a list of {len(args)} values, got {value!r}")
+        return tuple(_coerce(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    if kind is bool:
+        require(isinstance(value, bool), f"{key} must be true or false, got {value!r}")
+        return value
+    if kind in (int, float):
+        number = _number(value)
+        require(number is not None, f"{key} must be a number, got {value!r}")
+        if kind is int:
+            require(float(number).is_integer(), f"{key} must be an integer, got {value!r}")
+            return int(number)
+        return float(number)
+    if kind is str:
+        require(isinstance(value, str), f"{key} must be a string, got {value!r}")
+    return value
+
+
+def _number(value: Any) -> float | int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return value
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None

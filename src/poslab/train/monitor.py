@@ -1,0 +1,106 @@
+"""What a run reports while it trains (rank 0 only): DIR/metrics.jsonl, TensorBoard when it is installed,
+and a rich progress bar on a terminal or plain periodic lines otherwise (logs, CI, nohup).
+
+metrics.jsonl holds one JSON object per line, each with ``step`` (optimizer updates done):
+training records carry ``loss``, ``lr``, ``grad_norm``, ``tokens_per_s`` and ``data_fraction`` (the
+share of step time spent building batches); evaluation records carry ``eval_<metric>`` keys.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop records past ``last_step`` (written after the checkpoint a resumed run restarts from)."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+
+
+class Monitor:
+    def __init__(self, out_dir: Path, total_steps: int, start_step: int, stream: TextIO | None = None) -> None:
+        self.total, self.start = total_steps, start_step
+        self.stream = stream or sys.stderr
+        self.started = time.perf_counter()
+        self.metrics = open(out_dir / METRICS_FILE, "a", buffering=1)
+        self.tensorboard = _tensorboard(out_dir / "tensorboard")
+        self.progress = None
+        if self.stream.isatty():
+            self.progress = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
+                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=Console(file=self.stream))
+            self.task = self.progress.add_task("train", total=total_steps, completed=start_step, status="")
+            self.progress.start()
+
+    def step(self, step: int) -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step)
+
+    def log_train(self, step: int, record: dict[str, float]) -> None:
+        self._write(step, record, "train")
+        status = f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  {record['tokens_per_s']:,.0f} tok/s"
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step, status=status)
+        else:
+            self._print(f"step {step}/{self.total}  {status}  eta {self._eta(step)}")
+
+    def log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        self._write(step, {f"eval_{k}": v for k, v in metrics.items()}, "eval")
+        self._print(f"eval at step {step}: " + "  ".join(f"{k} {_fmt(v)}" for k, v in metrics.items()))
+
+    def message(self, text: str) -> None:
+        self._print(text)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        self.metrics.close()
+
+    def _write(self, step: int, record: dict[str, Any], group: str) -> None:
+        self.metrics.write(json.dumps({"step": step, **record}) + "\n")
+        if self.tensorboard is not None:
+            for key, value in record.items():
+                self.tensorboard.add_scalar(f"{group}/{key.removeprefix('eval_')}", value, step)
+
+    def _print(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress.console.print(text, highlight=False)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def _eta(self, step: int) -> str:
+        done = step - self.start
+        if done <= 0:
+            return "?"
+        seconds = (time.perf_counter() - self.started) / done * (self.total - step)
+        minutes, seconds = divmod(int(seconds), 60)
+        hours, minutes = divmod(minutes, 60)
+        return f"{hours}:{minutes:02d}:{seconds:02d}"
+
+
+def _tensorboard(path: Path):
+    try:  # optional: TensorBoard is not a dependency
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(str(path))
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.4f}" if isinstance(value, float) and math.isfinite(value) else str(value)

@@ -1,0 +1,333 @@
+"""The training engine: config validation, AdamW groups, schedule, checkpoints, resume, divergence, CLI."""
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from torch import nn
+
+from poslab.errors import CheckpointError, ConfigError, PoslabError
+from poslab.models import build_model
+from poslab.train import RunConfig, TrainConfig, TrainingDiverged, load_config, load_run, train
+from poslab.train import checkpoint as ckpt
+from poslab.train import trainer as trainer_module
+from poslab.train.cli import register
+from poslab.train.evaluation import evaluate
+from poslab.train.optim import lr_factor, param_groups
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny models on two shared cores: a second thread only adds OpenMP spinning (10x slower under load).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_config(**train) -> dict:
+    """A 2-layer decoder on short additions (answers of 1-3 digits + <eos>: a varying target count)."""
+    return {
+        "seed": 0,
+        "model": {"arch": "decoder", "vocab_size": None, "d_model": 32, "n_layers": 2, "n_heads": 2,
+                  "max_seq_len": 32, "positional": {"name": "rope"}},
+        "data": {"kind": "task", "name": "addition", "min_len": 3, "max_len": 5, "train_size": None,
+                 "validation_size": 16, "test_size": 16},
+        "train": {"steps": 4, "batch_size": 8, "lr": 1e-2, "warmup_steps": 1, "log_every": 1, **train},
+    }
+
+
+def write_config(path: Path, raw: dict) -> Path:
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def losses(run: Path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+# ---- config ------------------------------------------------------------------------------------------------
+
+def test_config_fills_vocab_from_data_and_round_trips(tmp_path):
+    config = load_config(write_config(tmp_path / "c.yaml", tiny_config()))
+    source = config.data.build(config.seed)
+    assert config.model.vocab_size == source.vocab_size
+    assert RunConfig.from_dict(yaml.safe_load(config.to_yaml())) == config
+
+
+def test_yaml_exponent_numbers_and_overrides(tmp_path):
+    raw = tiny_config()
+    raw["train"]["lr"] = "3e-4"  # what YAML 1.1 makes of `lr: 3e-4`
+    path = write_config(tmp_path / "c.yaml", raw)
+    assert load_config(path).train.lr == 3e-4
+    config = load_config(path, ["train.lr=1e-3", "model.positional.name=pope", "train.betas=[0.8, 0.9]",
+                                "model.positional.options.base=500"])
+    assert config.train.lr == 1e-3 and config.train.betas == (0.8, 0.9)
+    assert config.model.positional.name == "pope" and config.model.positional.options == {"base": 500}
+
+
+@pytest.mark.parametrize("section,key,suggestion", [
+    (None, "trian", "train"), ("train", "lrr", "lr"), ("model", "d_modle", "d_model"), ("train", "warmup", "warmup_steps"),
+])
+def test_unknown_keys_name_the_closest_valid_key(tmp_path, section, key, suggestion):
+    raw = tiny_config()
+    (raw if section is None else raw[section])[key] = 1
+    with pytest.raises(ConfigError, match=f"'{key}'; did you mean '{suggestion}'"):
+        load_config(write_config(tmp_path / "c.yaml", raw))
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.lr=-1", "train.lr must be a positive"),
+    ("train.grad_accum=3", "train.grad_accum .3. must divide train.batch_size"),
+    ("train.precision=fp16", "train.precision must be one of auto, fp32, bf16"),
+    ("train.betas=[0.9]", "train.betas must be a list of 2"),
+    ("train.steps=many", "train.steps must be a number"),
+    ("train.steps=2.5", "train.steps must be an integer"),
+    ("train.compile=yes please", "train.compile must be true or false"),
+    ("train.warmup_steps=10", "warmup_steps .10. must not exceed train.steps"),
+    ("data.kind=text", "unknown data kind 'text'"),
+    ("model.n_heads=3", "n_heads .3. must divide d_model"),
+    ("train=3", "train must be a mapping"),
+    ("train.lr", "--set expects key.path=value"),
+])
+def test_invalid_values_raise_one_line_config_errors(tmp_path, override, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config(write_config(tmp_path / "c.yaml", tiny_config()), [override])
+    assert "\n" not in str(err.value)
+
+
+def test_malformed_yaml_names_the_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("seed: 0\ntrain:\n  steps: [1, 2\n")
+    with pytest.raises(ConfigError, match="bad.yaml: line 4 is not valid YAML"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "missing.yaml")
+
+
+# ---- optimizer and schedule -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("scheme,tie", [("pope", False), ("learned", True), ("t5", False), ("alibi", True)])
+def test_weight_decay_only_on_linear_weights(scheme, tie):
+    model = build_model({"arch": "decoder", "vocab_size": 40, "d_model": 32, "n_layers": 2, "n_heads": 2,
+                         "max_seq_len": 16, "positional": {"name": scheme}, "tie_embeddings": tie,
+                         "norm": "rmsnorm"})
+    decay, no_decay = (set(map(id, g["params"])) for g in param_groups(model, 0.1))
+    assert not decay & no_decay and decay | no_decay == {id(p) for p in model.parameters()}
+    embeddings = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    assert decay == linear - embeddings and decay
+    norms = {id(p) for m in model.modules() if isinstance(m, (nn.LayerNorm, nn.RMSNorm)) for p in m.parameters()}
+    biases = {id(p) for name, p in model.named_parameters() if name.endswith("bias")}
+    assert norms and embeddings and (norms | embeddings | biases) <= no_decay
+    assert (id(model.get_output_embeddings().weight) in decay) == (not tie)
+
+
+def test_warmup_then_cosine_to_min_lr():
+    cfg = TrainConfig(steps=20, lr=1e-3, min_lr=1e-4, warmup_steps=4)
+    lrs = [cfg.lr * lr_factor(cfg)(t) for t in range(cfg.steps)]
+    assert lrs[:4] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
+    assert lrs[-1] == pytest.approx(1e-4)
+    assert all(a > b for a, b in itertools.pairwise(lrs[3:]))
+    constant = TrainConfig(steps=20, lr=1e-3, warmup_steps=0, schedule="constant")
+    assert {lr_factor(constant)(t) for t in range(20)} == {1.0}
+
+
+# ---- checkpoints --------------------------------------------------------------------------------------------
+
+def _save(path: Path, model: nn.Module, step: int) -> None:
+    ckpt.save_checkpoint(path, model, model.state_dict(), {"state": {}}, {"last_epoch": step}, [ckpt.rng_state()],
+                         {"step": step})
+
+
+def test_checkpoint_swap_survives_an_interrupted_save(tmp_path):
+    model = build_model({"arch": "decoder", "vocab_size": 20, "d_model": 16, "n_layers": 1, "n_heads": 2,
+                         "tie_embeddings": True})
+    path = tmp_path / "last"
+    _save(path, model, 1)
+    _save(path, model, 2)
+    assert ckpt.load_trainer_state(ckpt.resolve(path))["step"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last"]  # nothing left aside
+    # A crash between "move the old one aside" and "rename the new one in" leaves only the old copy.
+    path.rename(tmp_path / ".last.old")
+    (tmp_path / ".last.tmp").mkdir()  # and a half-written new one
+    assert ckpt.load_trainer_state(ckpt.resolve(path))["step"] == 2
+    _save(path, model, 3)
+    assert ckpt.load_trainer_state(ckpt.resolve(path))["step"] == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last"]
+    fresh = build_model(model.config.spec)
+    ckpt.load_weights(fresh, path)  # tied weights: stored once, loaded into both names
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+    with pytest.raises(CheckpointError, match="does not fit this model"):
+        ckpt.load_weights(build_model({"arch": "decoder", "vocab_size": 20, "d_model": 32, "n_layers": 1}), path)
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        ckpt.resolve(tmp_path / "best")
+
+
+def test_rng_state_round_trip():
+    import random
+
+    import numpy as np
+    state = ckpt.rng_state()
+    first = (random.random(), np.random.rand(), torch.rand(3))
+    ckpt.set_rng_state(state)
+    second = (random.random(), np.random.rand(), torch.rand(3))
+    assert first[:2] == second[:2] and torch.equal(first[2], second[2])
+
+
+# ---- training -----------------------------------------------------------------------------------------------
+
+def test_resume_continues_bitwise(tmp_path, monkeypatch):
+    config = RunConfig.from_dict(tiny_config(steps=6, checkpoint_every=2, eval_every=3))
+    whole = train(config, tmp_path / "whole")
+
+    real_step = trainer_module.Trainer._train_step
+
+    def crash_at_step_5(self, step):
+        if step == 4:
+            raise KeyboardInterrupt  # the process dies after the step-4 checkpoint
+        return real_step(self, step)
+
+    monkeypatch.setattr(trainer_module.Trainer, "_train_step", crash_at_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        train(config, tmp_path / "cut")
+    monkeypatch.undo()
+    assert ckpt.load_trainer_state(tmp_path / "cut/checkpoints/last")["step"] == 4
+    resumed = train(config, tmp_path / "cut", resume=True)
+
+    assert losses(tmp_path / "cut") == losses(tmp_path / "whole") and len(losses(tmp_path / "whole")) == 6
+    a, b = (load_file(tmp_path / run / "checkpoints/last/model.safetensors") for run in ("whole", "cut"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert {k: resumed[k] for k in ("train_loss", "eval_loss", "best_step")} == \
+           {k: whole[k] for k in ("train_loss", "eval_loss", "best_step")}
+    config_back, model = load_run(tmp_path / "cut", "last")
+    assert config_back == config and not model.training
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in a.items())
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path):
+    one = train(RunConfig.from_dict(tiny_config(steps=3)), tmp_path / "one")
+    two = train(RunConfig.from_dict(tiny_config(steps=3, grad_accum=4)), tmp_path / "two")
+    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
+    assert two["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
+
+
+def _poison_third_forward(monkeypatch):
+    """Make the model's third forward return a NaN loss (a diverging step 3)."""
+    def build(cfg):
+        model = build_model(cfg)
+        calls = itertools.count()
+
+        def hook(module, args, kwargs, out):
+            if next(calls) == 2:
+                out["loss"] = out.loss * math.nan
+            return out
+        model.register_forward_hook(hook, with_kwargs=True)
+        return model
+    monkeypatch.setattr(trainer_module, "build_model", build)
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    _poison_third_forward(monkeypatch)
+    with pytest.raises(TrainingDiverged, match=r"loss is nan at step 3; the last good checkpoint is .*last \(step 2\)"):
+        train(RunConfig.from_dict(tiny_config(steps=5, checkpoint_every=2)), tmp_path / "run")
+    last = tmp_path / "run/checkpoints/last"
+    assert ckpt.load_trainer_state(last)["step"] == 2
+    assert all(torch.isfinite(t).all() for t in load_file(last / "model.safetensors").values())
+    assert len(losses(tmp_path / "run")) == 2
+
+
+def test_output_directory_rules(tmp_path):
+    config = RunConfig.from_dict(tiny_config(steps=2))
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes/keep.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="is not empty; pass --resume .* or --overwrite"):
+        train(config, tmp_path / "notes")
+    with pytest.raises(ConfigError, match="refuses to delete .*not a poslab run directory"):
+        train(config, tmp_path / "notes", overwrite=True)
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        train(config, tmp_path / "notes", resume=True)
+    assert (tmp_path / "notes/keep.txt").read_text() == "mine"
+
+    train(config, tmp_path / "run")
+    other = RunConfig.from_dict(copy.deepcopy(tiny_config(steps=2)) | {"seed": 1})
+    with pytest.raises(ConfigError, match=r"cannot resume: seed \(0 there, 1 now\)"):
+        train(other, tmp_path / "run", resume=True)
+    more = RunConfig.from_dict(tiny_config(steps=3))  # train settings may change on resume
+    assert train(more, tmp_path / "run", resume=True)["step"] == 3
+    assert train(other, tmp_path / "run", overwrite=True)["step"] == 2
+    assert load_config(tmp_path / "run/config.yaml").seed == 1
+
+
+def test_bad_vocab_and_sequence_length_are_config_errors(tmp_path):
+    raw = tiny_config()
+    raw["model"]["vocab_size"] = 5
+    with pytest.raises(ConfigError, match=r"model.vocab_size \(5\) is smaller than the data's vocabulary"):
+        train(RunConfig.from_dict(raw), tmp_path / "a")
+    raw = tiny_config()
+    raw["model"]["max_seq_len"] = 4
+    with pytest.raises(ConfigError, match="raise model.max_seq_len"):
+        train(RunConfig.from_dict(raw), tmp_path / "b")
+
+
+def test_cli_writes_run_and_plain_progress_lines(tmp_path, capsys):
+    path = write_config(tmp_path / "c.yaml", tiny_config())
+    parser = argparse.ArgumentParser(prog="poslab")
+    register(parser.add_subparsers())
+    args = parser.parse_args(["train", str(path), "--out", str(tmp_path / "run"), "--set", "train.steps=2",
+                              "--set", "train.eval_every=1"])
+    assert args.func(args) == 0
+    out, err = capsys.readouterr()
+    final = json.loads(out)
+    assert final["step"] == 2 and set(final) >= {"train_loss", "eval_loss", "eval_exact_match", "tokens_per_s"}
+    assert "step 1/2  loss" in err and "eval at step 2: loss" in err
+    records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 1, 2, 2]
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "data_fraction"} <= set(records[0])
+    assert {"eval_loss", "eval_token_accuracy", "eval_exact_match"} <= set(records[1])
+    assert load_config(tmp_path / "run/config.yaml").train.steps == 2
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", str(path), "--out", "x", "--resume", "--overwrite"])
+    with pytest.raises(PoslabError):
+        args.func(args)  # the run exists: refused without --resume/--overwrite
+
+
+class _FixedSource:
+    """A minimal BatchSource: two fixed evaluation batches."""
+    vocab_size = 11
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(1)
+        self.batches = [{"input_ids": torch.randint(0, 11, (3, 7), generator=g),
+                         "labels": torch.randint(0, 11, (3, 7), generator=g)} for _ in range(2)]
+        self.batches[1]["labels"][:, ::2] = -100
+
+    def eval_batches(self, split, batch_size):
+        return iter(self.batches)
+
+
+@pytest.mark.parametrize("arch", ["decoder", "encoder"])
+def test_generic_evaluation_is_loss_and_accuracy_on_labelled_tokens(arch):
+    raw = tiny_config()
+    raw["model"].update(arch=arch, vocab_size=11)
+    config = RunConfig.from_dict(raw)
+    model, source = build_model(config.model).train(), _FixedSource()
+    config.data.kind = "lm"  # not a task source: the generic path
+    metrics = evaluate(model, source, config, torch.device("cpu"), torch.autocast("cpu", enabled=False))
+    logits = torch.cat([model(input_ids=b["input_ids"]).logits for b in source.batches])
+    labels = torch.cat([b["labels"] for b in source.batches])
+    if arch == "decoder":
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    keep = labels != -100
+    expected = nn.functional.cross_entropy(logits[keep], labels[keep])
+    assert metrics["loss"] == pytest.approx(float(expected), rel=1e-5)
+    assert metrics["token_accuracy"] == pytest.approx(float((logits.argmax(-1)[keep] == labels[keep]).float().mean()))
+    assert metrics["tokens"] == int(keep.sum()) and model.training
