@@ -1,0 +1,28 @@
+"""Triton kernels. ``pope_flash`` holds the fused PoPE flash attention (forward and backward).
+
+This package imports nothing heavy: ``triton_available()`` says whether the kernels can run here, and
+callers import ``poslab.kernels.pope_flash`` only when it is True.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+__all__ = ["triton_available"]
+
+
+def triton_available() -> bool:
+    """True when Triton imports and either a CUDA device is present or ``TRITON_INTERPRET=1`` (tests).
+
+    The interpreter runs the same kernels on CPU tensors through NumPy: correct, but orders of magnitude
+    slower, which is why only tests set it.
+    """
+    if importlib.util.find_spec("triton") is None:
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"

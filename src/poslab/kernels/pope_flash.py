@@ -1,0 +1,495 @@
+"""Fused PoPE flash attention in Triton: forward and backward, polar transform inside the kernel.
+
+PoPE's score a_ts = sum_c mu_q,c mu_k,c cos((s - t) theta_c + delta_c) is the real dot product of the
+2d-wide Cartesian vectors q~ = mu_q [cos(t theta), sin(t theta)] and k~ = mu_k [cos(s theta + delta),
+sin(s theta + delta)]. The PoPE authors materialised q~, k~ (twice the q/k memory and bandwidth) and ran
+a FlashAttention-2 kernel on them. Here every tile of q~/k~ is built in registers from the raw (d-wide)
+q/k tile: softplus, positions and cos/sin are computed inside the kernel and the 2d-wide tensors never
+reach memory. The rest is FlashAttention-2: online softmax in base 2 with fp32 accumulation, the
+backward recomputing probabilities from the saved log-sum-exp (O(n) extra memory, never O(n^2)).
+
+Phases. t theta_c is huge at long positions (1e6 rad at t = 1e6), where an fp32 product is off by up to
+0.03 rad. The kernel multiplies the position by theta_c / (2 pi) in fp64, keeps the fractional turn in
+[-1/2, 1/2) and only then goes to fp32: the phase error stays ~1e-7 rad at any position below 2^31.
+fp64 work is O(tile * d) per tile, small beside the O(tile^2 * d) matmuls on H100/H200-class GPUs (GPUs
+with 1/64-rate fp64 would feel it).
+
+Padding. ``seq_lens[b]`` is the number of valid keys in batch row b; keys at index >= seq_lens[b] get
+no weight. A query whose position q_start + i lies at or past the end of the valid keys
+(k_start + seq_lens[b]) is a padding query: its output row is zero and it passes no gradient. So is any
+query that sees no key at all (causal with every key in its future). Without ``seq_lens`` every query row
+is real.
+
+Launch configurations for CUDA are reasoned from the FlashAttention-2 Triton tutorial (q~/k~ are 2d
+wide, so d = 128 behaves like a 256-wide head), not tuned on a GPU yet.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from poslab.errors import ConfigError, require
+from poslab.functional import pope_frequencies
+
+__all__ = ["pope_flash_attention"]
+
+LOG2E = 1.4426950408889634
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _polar(x, pos, turns, bias):
+    """mu = softplus(x) and cos/sin(pos * theta + bias), all fp32, shaped like x.
+
+    pos (int), turns (theta / 2 pi, fp64) and bias (fp32) broadcast against x, so one helper serves the
+    row-major (n, d) and the transposed (d, n) tiles.
+    """
+    x = x.to(tl.float32)
+    # log(1 + e^-|x|) never overflows; its fp32 rounding error is below 1e-7 absolute.
+    mu = tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x)))
+    rev = pos.to(tl.float64) * turns
+    rev = rev - tl.floor(rev + 0.5)  # exact in fp64: the whole turns carry no phase
+    phase = rev.to(tl.float32) * 6.283185307179586 + bias
+    return mu, tl.cos(phase), tl.sin(phase)
+
+
+@triton.jit
+def _key_range(start_m, q_start, k_start, k_len, q_len, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr):
+    """For the query tile at start_m: key tiles [0, full) need no mask, [full, hi) do."""
+    if CAUSAL:
+        t_lo = q_start + start_m  # every row of the tile sees keys at positions <= t_lo
+        full = tl.minimum(k_len, t_lo - k_start + 1)
+        hi = tl.minimum(k_len, t_lo + BLOCK_M - k_start)
+    else:
+        full = k_len
+        hi = k_len
+    hi = tl.where(start_m < q_len, tl.maximum(hi, 0), 0)  # a tile of padding queries reads nothing
+    full = tl.minimum(tl.maximum(full, 0) // BLOCK_N * BLOCK_N, hi)
+    return full, hi
+
+
+@triton.jit
+def _query_range(start_n, q_start, k_start, k_len, q_len, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 CAUSAL: tl.constexpr):
+    """For the key tile at start_n: query tiles [lo, mid) and [full, hi) need masks, [mid, full) do not."""
+    hi = tl.where(start_n < k_len, q_len, 0)
+    if CAUSAL:
+        lo = tl.maximum(k_start + start_n - q_start, 0) // BLOCK_M * BLOCK_M
+        last_key = k_start + start_n + BLOCK_N - 1  # rows at or past this position see the whole tile
+        mid = (tl.maximum(last_key - q_start, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    else:
+        lo = hi * 0
+        mid = hi * 0
+    mid = tl.where(start_n + BLOCK_N <= k_len, mid, hi)  # a ragged key tile is masked throughout
+    lo = tl.minimum(lo, hi)
+    mid = tl.minimum(tl.maximum(mid, lo), hi)
+    full = tl.maximum(mid, hi // BLOCK_M * BLOCK_M)
+    return lo, mid, full, hi
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, qx, qy, K_base, V_base, skn, svn, turns, bias, t_pos, k_start, k_len, lo, hi,
+               D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+               PRECISION: tl.constexpr):
+    offs_d = tl.arange(0, D)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kT_ptrs = K_base + offs_n[None, :] * skn + offs_d[:, None]
+        v_ptrs = V_base + offs_n[:, None] * svn + offs_d[None, :]
+        if MASKED:
+            key_in = offs_n < k_len
+            kT = tl.load(kT_ptrs, mask=key_in[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=key_in[:, None], other=0.0)
+        else:
+            kT = tl.load(kT_ptrs)
+            v = tl.load(v_ptrs)
+        mu, c, s = _polar(kT, (k_start + offs_n)[None, :], turns[:, None], bias[:, None])
+        z = tl.dot(qx, (mu * c).to(kT.dtype), input_precision=PRECISION)
+        z = tl.dot(qy, (mu * s).to(kT.dtype), z, input_precision=PRECISION)  # (M, N), log2 units
+        if MASKED:
+            ok = key_in[None, :]
+            if CAUSAL:
+                ok = ok & ((k_start + offs_n)[None, :] <= t_pos[:, None])
+            z = tl.where(ok, z, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(z, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
+        else:
+            m_new = tl.maximum(m_i, tl.max(z, 1))
+            m_use = m_new
+        p = tl.exp2(z - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE, TURNS, DELTA, QSTART, KSTART, KLEN, QLEN,
+                sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
+                H, NQ, qk_scale,
+                D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                HAS_DELTA: tl.constexpr, PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    q_start = tl.load(QSTART + b)
+    k_start = tl.load(KSTART + b)
+    k_len = tl.load(KLEN + b)
+    q_len = tl.load(QLEN + b)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    row_in = offs_m < NQ
+    turns = tl.load(TURNS + offs_d)
+    if HAS_DELTA:
+        bias = tl.load(DELTA + h * D + offs_d)
+    else:
+        bias = tl.zeros([D], dtype=tl.float32)
+
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], mask=row_in[:, None], other=0.0)
+    t_pos = q_start + offs_m
+    mu, c, s = _polar(q, t_pos[:, None], turns[None, :], 0.0)
+    qx = (mu * c * qk_scale).to(q.dtype)  # scale * log2(e) folded in: the softmax runs on exp2
+    qy = (mu * s * qk_scale).to(q.dtype)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    K_base = K + b * skb + h * skh
+    V_base = V + b * svb + h * svh
+    full, hi = _key_range(start_m, q_start, k_start, k_len, q_len, BLOCK_M, BLOCK_N, CAUSAL)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, qx, qy, K_base, V_base, skn, svn, turns, bias, t_pos, k_start,
+                               k_len, 0, full, D, BLOCK_N, CAUSAL, False, PRECISION)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, qx, qy, K_base, V_base, skn, svn, turns, bias, t_pos, k_start,
+                               k_len, full, hi, D, BLOCK_N, CAUSAL, True, PRECISION)
+
+    live = (offs_m < q_len) & (l_i > 0.0)
+    l_safe = tl.where(live, l_i, 1.0)
+    out = tl.where(live[:, None], acc / l_safe[:, None], 0.0)
+    # +inf makes every recomputed probability of a dead row exactly 0 in the backward pass
+    lse = tl.where(live, m_i + tl.log2(l_safe), float("inf"))
+    tl.store(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=row_in[:, None])
+    tl.store(LSE + pid_bh * NQ + offs_m, lse, mask=row_in)
+
+
+@triton.jit
+def _dq_inner(dqx, dqy, qx, qy, do, lse, dsum, K_base, V_base, skn, svn, turns, bias, t_pos, k_start, k_len,
+              lo, hi, D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+              PRECISION: tl.constexpr):
+    offs_d = tl.arange(0, D)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kT_ptrs = K_base + offs_n[None, :] * skn + offs_d[:, None]
+        vT_ptrs = V_base + offs_n[None, :] * svn + offs_d[:, None]
+        if MASKED:
+            key_in = offs_n < k_len
+            kT = tl.load(kT_ptrs, mask=key_in[None, :], other=0.0)
+            vT = tl.load(vT_ptrs, mask=key_in[None, :], other=0.0)
+        else:
+            kT = tl.load(kT_ptrs)
+            vT = tl.load(vT_ptrs)
+        mu, c, s = _polar(kT, (k_start + offs_n)[None, :], turns[:, None], bias[:, None])
+        kxT = (mu * c).to(kT.dtype)
+        kyT = (mu * s).to(kT.dtype)
+        z = tl.dot(qx, kxT, input_precision=PRECISION)
+        z = tl.dot(qy, kyT, z, input_precision=PRECISION)
+        p = tl.exp2(z - lse[:, None])
+        if MASKED:
+            ok = key_in[None, :]
+            if CAUSAL:
+                ok = ok & ((k_start + offs_n)[None, :] <= t_pos[:, None])
+            p = tl.where(ok, p, 0.0)
+        dp = tl.dot(do, vT, input_precision=PRECISION)
+        ds = (p * (dp - dsum[:, None])).to(kT.dtype)  # d loss / d logit
+        dqx = tl.dot(ds, tl.trans(kxT), dqx, input_precision=PRECISION)
+        dqy = tl.dot(ds, tl.trans(kyT), dqy, input_precision=PRECISION)
+    return dqx, dqy
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DSUM, TURNS, DELTA, QSTART, KSTART, KLEN, QLEN,
+                   sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob, sdoh, sdon,
+                   sdqb, sdqh, sdqn, H, NQ, qk_scale, scale,
+                   D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                   HAS_DELTA: tl.constexpr, PRECISION: tl.constexpr):
+    """dq for one query tile; also stores dsum = rowsum(dO * O), which the dk/dv kernel reads next."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    q_start = tl.load(QSTART + b)
+    k_start = tl.load(KSTART + b)
+    k_len = tl.load(KLEN + b)
+    q_len = tl.load(QLEN + b)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    row_in = offs_m < NQ
+    turns = tl.load(TURNS + offs_d)
+    if HAS_DELTA:
+        bias = tl.load(DELTA + h * D + offs_d)
+    else:
+        bias = tl.zeros([D], dtype=tl.float32)
+
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], mask=row_in[:, None], other=0.0)
+    do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdon + offs_d[None, :], mask=row_in[:, None],
+                 other=0.0)
+    o = tl.load(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :], mask=row_in[:, None], other=0.0)
+    dsum = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    tl.store(DSUM + pid_bh * NQ + offs_m, dsum, mask=row_in)
+    lse = tl.load(LSE + pid_bh * NQ + offs_m, mask=row_in, other=float("inf"))
+
+    t_pos = q_start + offs_m
+    mu, c, s = _polar(q, t_pos[:, None], turns[None, :], 0.0)
+    qx = (mu * c * qk_scale).to(q.dtype)
+    qy = (mu * s * qk_scale).to(q.dtype)
+    dqx = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    dqy = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    K_base = K + b * skb + h * skh
+    V_base = V + b * svb + h * svh
+    full, hi = _key_range(start_m, q_start, k_start, k_len, q_len, BLOCK_M, BLOCK_N, CAUSAL)
+    dqx, dqy = _dq_inner(dqx, dqy, qx, qy, do, lse, dsum, K_base, V_base, skn, svn, turns, bias, t_pos, k_start,
+                         k_len, 0, full, D, BLOCK_N, CAUSAL, False, PRECISION)
+    dqx, dqy = _dq_inner(dqx, dqy, qx, qy, do, lse, dsum, K_base, V_base, skn, svn, turns, bias, t_pos, k_start,
+                         k_len, full, hi, D, BLOCK_N, CAUSAL, True, PRECISION)
+
+    # back through q~ = mu [cos, sin] (the logit is scale * q~ . k~) and mu = softplus(q)
+    dmu = (dqx * c + dqy * s) * scale
+    dq = dmu * tl.sigmoid(q.to(tl.float32))
+    tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqn + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=row_in[:, None])
+
+
+@triton.jit
+def _dkdv_inner(dv, dkx, dky, kx, ky, v, Q_base, DO_base, LSE_base, DSUM_base, sqn, sdon, turns, offs_n,
+                q_start, k_start, k_len, NQ, qk_scale, lo, hi,
+                D: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+                PRECISION: tl.constexpr):
+    offs_d = tl.arange(0, D)
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        qT_ptrs = Q_base + offs_m[None, :] * sqn + offs_d[:, None]
+        do_ptrs = DO_base + offs_m[:, None] * sdon + offs_d[None, :]
+        if MASKED:
+            row_in = offs_m < NQ
+            qT = tl.load(qT_ptrs, mask=row_in[None, :], other=0.0)
+            do = tl.load(do_ptrs, mask=row_in[:, None], other=0.0)
+            lse = tl.load(LSE_base + offs_m, mask=row_in, other=float("inf"))
+            dsum = tl.load(DSUM_base + offs_m, mask=row_in, other=0.0)
+        else:
+            qT = tl.load(qT_ptrs)
+            do = tl.load(do_ptrs)
+            lse = tl.load(LSE_base + offs_m)
+            dsum = tl.load(DSUM_base + offs_m)
+        mu, c, s = _polar(qT, (q_start + offs_m)[None, :], turns[:, None], 0.0)
+        qxT = (mu * c * qk_scale).to(qT.dtype)
+        qyT = (mu * s * qk_scale).to(qT.dtype)
+        zT = tl.dot(kx, qxT, input_precision=PRECISION)
+        zT = tl.dot(ky, qyT, zT, input_precision=PRECISION)  # (N, M)
+        pT = tl.exp2(zT - lse[None, :])
+        if MASKED:
+            ok = (offs_n < k_len)[:, None]
+            if CAUSAL:
+                ok = ok & ((k_start + offs_n)[:, None] <= (q_start + offs_m)[None, :])
+            pT = tl.where(ok, pT, 0.0)
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
+        dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        dsT = (pT * (dpT - dsum[None, :])).to(qT.dtype)
+        dkx = tl.dot(dsT, tl.trans(qxT), dkx, input_precision=PRECISION)
+        dky = tl.dot(dsT, tl.trans(qyT), dky, input_precision=PRECISION)
+    return dv, dkx, dky
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DDELTA, LSE, DSUM, TURNS, DELTA, QSTART, KSTART, KLEN, QLEN,
+                     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
+                     sdkb, sdkh, sdkn, sdvb, sdvh, sdvn, H, NQ, NK, qk_scale,
+                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                     HAS_DELTA: tl.constexpr, PRECISION: tl.constexpr):
+    """dk, dv for one key tile, and this tile's share of d(delta) (summed on the host: deterministic)."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    q_start = tl.load(QSTART + b)
+    k_start = tl.load(KSTART + b)
+    k_len = tl.load(KLEN + b)
+    q_len = tl.load(QLEN + b)
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    key_in = offs_n < NK
+    turns = tl.load(TURNS + offs_d)
+    if HAS_DELTA:
+        bias = tl.load(DELTA + h * D + offs_d)
+    else:
+        bias = tl.zeros([D], dtype=tl.float32)
+
+    k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skn + offs_d[None, :], mask=key_in[:, None], other=0.0)
+    v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svn + offs_d[None, :], mask=key_in[:, None], other=0.0)
+    mu, c, s = _polar(k, (k_start + offs_n)[:, None], turns[None, :], bias[None, :])
+    kx = (mu * c).to(k.dtype)
+    ky = (mu * s).to(k.dtype)
+    dv = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+    dkx = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+    dky = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+
+    Q_base = Q + b * sqb + h * sqh
+    DO_base = DO + b * sdob + h * sdoh
+    LSE_base = LSE + pid_bh * NQ
+    DSUM_base = DSUM + pid_bh * NQ
+    lo, mid, full, hi = _query_range(start_n, q_start, k_start, k_len, q_len, BLOCK_M, BLOCK_N, CAUSAL)
+    dv, dkx, dky = _dkdv_inner(dv, dkx, dky, kx, ky, v, Q_base, DO_base, LSE_base, DSUM_base, sqn, sdon, turns,
+                               offs_n, q_start, k_start, k_len, NQ, qk_scale, lo, mid,
+                               D, BLOCK_M, CAUSAL, True, PRECISION)
+    dv, dkx, dky = _dkdv_inner(dv, dkx, dky, kx, ky, v, Q_base, DO_base, LSE_base, DSUM_base, sqn, sdon, turns,
+                               offs_n, q_start, k_start, k_len, NQ, qk_scale, mid, full,
+                               D, BLOCK_M, CAUSAL, False, PRECISION)
+    dv, dkx, dky = _dkdv_inner(dv, dkx, dky, kx, ky, v, Q_base, DO_base, LSE_base, DSUM_base, sqn, sdon, turns,
+                               offs_n, q_start, k_start, k_len, NQ, qk_scale, full, hi,
+                               D, BLOCK_M, CAUSAL, True, PRECISION)
+
+    # q~ carried scale * log2(e); d k~ needs scale alone
+    dkx = dkx * 0.6931471805599453
+    dky = dky * 0.6931471805599453
+    dk = (dkx * c + dky * s) * tl.sigmoid(k.to(tl.float32))
+    tl.store(DK + b * sdkb + h * sdkh + offs_n[:, None] * sdkn + offs_d[None, :], dk.to(DK.dtype.element_ty),
+             mask=key_in[:, None])
+    tl.store(DV + b * sdvb + h * sdvh + offs_n[:, None] * sdvn + offs_d[None, :], dv.to(DV.dtype.element_ty),
+             mask=key_in[:, None])
+    if HAS_DELTA:
+        dphase = mu * (dky * c - dkx * s)  # zero on keys outside the tile: their dkx, dky are zero
+        tl.store(DDELTA + (pid_bh * tl.num_programs(0) + pid_n) * D + offs_d, tl.sum(dphase, 0))
+
+
+def _launch_config(kernel: str, d: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). The interpreter gets 16x16 tiles so that small test
+    shapes still cross several tiles and ragged tails."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return 16, 16, 4, 1
+    wide = d > 64
+    return {
+        "fwd": (128, 64, 8, 2) if wide else (128, 64, 4, 3),
+        "dq": (64, 32, 8, 2) if wide else (128, 32, 4, 3),
+        "dkdv": (32, 64, 8, 2) if wide else (32, 64, 4, 3),
+    }[kernel]
+
+
+class _PopeFlash(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, delta, turns, q_start, k_start, k_len, q_len, causal, scale):
+        b, h, nq, d = q.shape
+        o = torch.empty_like(q)
+        lse = torch.empty((b, h, nq), device=q.device, dtype=torch.float32)
+        has_delta = delta is not None
+        delta_arg = delta if has_delta else turns  # never read: HAS_DELTA is a compile-time False
+        precision = "ieee" if q.dtype == torch.float32 else "tf32"
+        bm, bn, warps, stages = _launch_config("fwd", d)
+        _fwd_kernel[(triton.cdiv(nq, bm), b * h)](
+            q, k, v, o, lse, turns, delta_arg, q_start, k_start, k_len, q_len,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+            h, nq, scale * LOG2E,
+            D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_DELTA=has_delta, PRECISION=precision,
+            num_warps=warps, num_stages=stages,
+        )
+        ctx.save_for_backward(q, k, v, o, lse, delta_arg, turns, q_start, k_start, k_len, q_len)
+        ctx.causal, ctx.scale, ctx.has_delta, ctx.precision = causal, scale, has_delta, precision
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, delta_arg, turns, q_start, k_start, k_len, q_len = ctx.saved_tensors
+        b, h, nq, d = q.shape
+        nk = k.shape[2]
+        do = do if do.stride(-1) == 1 else do.contiguous()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dsum = torch.empty_like(lse)
+        flags = dict(D=d, CAUSAL=ctx.causal, HAS_DELTA=ctx.has_delta, PRECISION=ctx.precision)
+
+        bm, bn, warps, stages = _launch_config("dq", d)
+        _bwd_dq_kernel[(triton.cdiv(nq, bm), b * h)](
+            q, k, v, o, do, dq, lse, dsum, turns, delta_arg, q_start, k_start, k_len, q_len,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *do.stride()[:3],
+            *dq.stride()[:3], h, nq, ctx.scale * LOG2E, ctx.scale,
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **flags,
+        )
+        bm, bn, warps, stages = _launch_config("dkdv", d)
+        n_tiles = triton.cdiv(nk, bn)
+        ddelta = torch.zeros((b * h, n_tiles, d), device=q.device, dtype=torch.float32) if ctx.has_delta else turns
+        _bwd_dkdv_kernel[(n_tiles, b * h)](
+            q, k, v, do, dk, dv, ddelta, lse, dsum, turns, delta_arg, q_start, k_start, k_len, q_len,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3],
+            *dv.stride()[:3], h, nq, nk, ctx.scale * LOG2E,
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **flags,
+        )
+        ddelta = ddelta.view(b, h, n_tiles, d).sum((0, 2)) if ctx.has_delta else None
+        return dq, dk, dv, ddelta, None, None, None, None, None, None, None
+
+
+def _per_batch(value, b: int, name: str, device) -> torch.Tensor:
+    """An int or a (batch,) integer tensor -> (batch,) int32 on device."""
+    if isinstance(value, torch.Tensor):
+        require(value.shape == (b,) and not value.is_floating_point() and not value.is_complex(),
+                f"{name} must be an int or an integer tensor of shape ({b},), got {value.dtype} {tuple(value.shape)}")
+        value = value.to(device=device, dtype=torch.int64)
+    else:
+        value = torch.full((b,), int(value), device=device, dtype=torch.int64)
+    require(bool((value.abs() < 2**30).all()), f"{name} must stay below 2^30 in magnitude")
+    return value.to(torch.int32)
+
+
+def pope_flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delta: torch.Tensor | None = None, *,
+    base: float = 10000.0, causal: bool = False, scale: float | None = None,
+    q_start: int | torch.Tensor = 0, k_start: int | torch.Tensor = 0, seq_lens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """softmax(scale * a_ts) @ v with the PoPE score, fused; differentiable in q, k, v and delta.
+
+    q (batch, heads, n, d); k, v (batch, heads, m, d); delta (heads, d) or None (phase bias on the keys);
+    d in {16, 32, 64, 128}; fp32, bf16 or fp16 (all three alike), CUDA tensors (CPU tensors only under
+    TRITON_INTERPRET=1). Query i sits at position q_start + i and key j at k_start + j (ints or (batch,)
+    integer tensors, for incremental decoding); causal masks keys at later positions than the query.
+    seq_lens (batch,) counts the valid keys per row (see the module docstring for padding queries).
+    scale defaults to 1/sqrt(d). Returns (batch, heads, n, d) in q's dtype.
+    """
+    require(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
+            f"q, k, v must be (batch, heads, n, d), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    b, h, nq, d = q.shape
+    require(k.shape == v.shape and k.shape[:2] == (b, h) and k.shape[3] == d,
+            f"k and v must be (batch={b}, heads={h}, m, d={d}), got {tuple(k.shape)} and {tuple(v.shape)}")
+    require(d in SUPPORTED_HEAD_DIMS, f"head dim {d} is not supported by the fused kernel; use one of "
+            f"{SUPPORTED_HEAD_DIMS} or attn_backend 'sdpa'")
+    require(q.dtype in SUPPORTED_DTYPES and q.dtype == k.dtype == v.dtype,
+            f"q, k, v must share one dtype of float32/bfloat16/float16, got {q.dtype}, {k.dtype}, {v.dtype}")
+    require(q.device == k.device == v.device, "q, k, v must be on one device")
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    require(q.is_cuda or interpret, "the fused PoPE kernel needs CUDA tensors (TRITON_INTERPRET=1 runs it on "
+            "CPU, slowly); use attn_backend 'sdpa' on this device")
+    if delta is not None:
+        require(delta.shape == (h, d), f"delta must be (heads={h}, d={d}), got {tuple(delta.shape)}")
+    nk = k.shape[2]
+    q_start_t = _per_batch(q_start, b, "q_start", q.device)
+    k_start_t = _per_batch(k_start, b, "k_start", q.device)
+    if seq_lens is None:
+        k_len = torch.full((b,), nk, device=q.device, dtype=torch.int32)
+        q_len = torch.full((b,), nq, device=q.device, dtype=torch.int32)
+    else:
+        k_len = _per_batch(seq_lens, b, "seq_lens", q.device)
+        require(bool(((k_len >= 0) & (k_len <= nk)).all()), f"seq_lens must lie in [0, {nk}] (the key length)")
+        # a query at or past the end of the valid keys is padding
+        q_len = (k_start_t + k_len - q_start_t).clamp(0, nq).to(torch.int32)
+    turns = (pope_frequencies(d, base, q.device).double() / (2 * math.pi)).contiguous()
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    delta_f = None if delta is None else delta.float().contiguous()
+    out = _PopeFlash.apply(q, k, v, delta_f, turns, q_start_t, k_start_t, k_len, q_len, bool(causal), scale)
+    return out

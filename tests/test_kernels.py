@@ -1,0 +1,240 @@
+"""Fused PoPE flash attention (``poslab.kernels.pope_flash``) against an fp64 eager reference.
+
+Without a GPU the Triton kernels run through the interpreter (TRITON_INTERPRET=1), which the kernel
+meets with 16x16 tiles, so small odd lengths still cross several tiles and ragged tails. Triton reads the
+variable when it decorates functions, its own standard library included, at import; other tests in the
+same process may have imported triton already, so the interpreter checks run in one child process
+(``python tests/test_kernels.py NAME...`` with the variable set), and each pytest test reports one check.
+bf16 is checked only on CUDA: the interpreter multiplies bf16 bit patterns in ``tl.dot``
+(triton-lang/triton#11584, unsupported upstream). CUDA tests are skipped without a GPU.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from poslab.errors import ConfigError
+from poslab.functional import pope_scores
+
+
+def _at(value, i: int) -> int:
+    return int(value[i]) if isinstance(value, torch.Tensor) else int(value)
+
+
+def reference(q, k, v, delta=None, *, base=10000.0, causal=False, scale=None, q_start=0, k_start=0,
+              seq_lens=None):
+    """Eager attention on ``poslab.functional.pope_scores`` in the inputs' dtype (use fp64), with the
+    kernel's documented padding rule: a query past the last valid key, or one that sees no key, is zero."""
+    b, _, nq, d = q.shape
+    nk = k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    rows = []
+    for i in range(b):
+        t = _at(q_start, i) + torch.arange(nq)
+        s = _at(k_start, i) + torch.arange(nk)
+        n_valid = nk if seq_lens is None else int(seq_lens[i])
+        a = scale * pope_scores(q[i : i + 1], k[i : i + 1], delta, base, t, s)
+        ok = (torch.arange(nk) < n_valid)[None, :].expand(nq, nk)
+        if causal:
+            ok = ok & (s[None, :] <= t[:, None])
+        live = ok.any(-1) & (t < _at(k_start, i) + n_valid)
+        a = a.masked_fill(~ok, float("-inf")).masked_fill(~live[:, None], 0.0)
+        rows.append((a.softmax(-1) @ v[i : i + 1]).masked_fill(~live[:, None], 0.0))
+    return torch.cat(rows)
+
+
+def _inputs(b, h, nq, nk, d, with_delta, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, h, n, d, generator=gen) for n in (nq, nk, nk))
+    delta = -2 * math.pi * torch.rand(h, d, generator=gen) if with_delta else None  # PoPE's clamp range
+    return q, k, v, delta
+
+
+def _compare(attention, *, dtype=torch.float32, tol=1e-5, b=2, h=2, nq=37, nk=None, d=32, with_delta=True,
+             seed=0, device="cpu", **options):
+    """Forward and every gradient (q, k, v, delta) of ``attention`` against the fp64 reference."""
+    q, k, v, delta = _inputs(b, h, nq, nq if nk is None else nk, d, with_delta, seed)
+    ours = [x.to(device, dtype, copy=True).requires_grad_() for x in (q, k, v)]
+    if with_delta:
+        ours.append(delta.to(device, copy=True).requires_grad_())  # delta stays fp32 (a parameter)
+    out = attention(*ours, **options)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(device, dtype)
+    out.backward(grad)
+
+    exact = [x.to(torch.float64, copy=True).requires_grad_() for x in (q, k, v, delta) if x is not None]
+    cpu_options = {key: val.cpu() if isinstance(val, torch.Tensor) else val for key, val in options.items()}
+    expected = reference(*exact, **cpu_options)
+    expected.backward(grad.cpu().double())
+    assert out.dtype == dtype and out.shape == expected.shape
+    names = ["out", "dq", "dk", "dv", "ddelta"]
+    for name, got, want in zip(names, [out] + [x.grad for x in ours], [expected] + [x.grad for x in exact]):
+        torch.testing.assert_close(got.detach().cpu().double(), want, atol=tol, rtol=tol,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+# ----- checks run under the interpreter (in the child process); each takes pope_flash_attention -----
+
+CASES = {
+    "bidirectional": dict(causal=False),
+    "causal": dict(causal=True),
+    "causal-d64-no-delta": dict(causal=True, d=64, nq=29, with_delta=False),
+    "bidirectional-d64-padded": dict(causal=False, d=64, nq=33, seq_lens=torch.tensor([33, 20])),
+    "causal-padded": dict(causal=True, seq_lens=torch.tensor([37, 11])),
+    "causal-decode-chunk": dict(causal=True, nq=5, nk=40, q_start=torch.tensor([35, 18]),
+                                seq_lens=torch.tensor([40, 23])),
+    "bidirectional-offset-cross": dict(causal=False, nq=16, nk=31, q_start=7, k_start=3, scale=0.3),
+    "causal-positions-near-1e6": dict(causal=True, nq=23, q_start=10**6 - 9, k_start=10**6 - 9, base=500.0),
+    "causal-d128": dict(causal=True, b=1, h=1, nq=21, d=128),
+    "fp16-causal": dict(causal=True, nq=26, dtype=torch.float16, tol=5e-3),
+}
+CHECKS = {f"matches-reference-{name}": functools.partial(_compare, **opts) for name, opts in CASES.items()}
+
+
+def _check(fn):
+    CHECKS[fn.__name__.removeprefix("check_").replace("_", "-")] = fn
+    return fn
+
+
+@_check
+def check_padding_gives_zero_rows_and_zero_gradients(attention):
+    q, k, v, delta = (x.requires_grad_() for x in _inputs(2, 2, 24, 24, 32, True, seed=3))
+    out = attention(q, k, v, delta, causal=False, seq_lens=torch.tensor([24, 9]))
+    out.sum().backward()
+    assert out[1, :, 9:].abs().max() == 0 and out[0].abs().min() > 0
+    for grad in (q.grad, k.grad, v.grad):
+        assert grad[1, :, 9:].abs().max() == 0 and grad[1, :, :9].abs().max() > 0
+
+
+@_check
+def check_incremental_decoding_matches_full_causal_attention(attention):
+    q, k, v, delta = _inputs(1, 2, 19, 19, 32, True, seed=4)
+    full = attention(q, k, v, delta, causal=True)
+    for t in (0, 7, 18):  # one new query against the cache of keys 0..t
+        step = attention(q[:, :, t : t + 1], k[:, :, : t + 1], v[:, :, : t + 1], delta, causal=True, q_start=t)
+        torch.testing.assert_close(step, full[:, :, t : t + 1], atol=1e-6, rtol=1e-5)
+
+
+@_check
+def check_output_depends_on_relative_positions_only(attention):
+    """Shifting every position by one amount changes nothing, far past 1e6 (the phases go through fp64)."""
+    q, k, v, delta = _inputs(1, 1, 20, 20, 16, True, seed=5)
+
+    @settings(max_examples=6, deadline=None, database=None)
+    @given(shift=st.integers(min_value=0, max_value=2**29), causal=st.booleans())
+    def shifted_equals_unshifted(shift, causal):
+        at_zero = attention(q, k, v, delta, causal=causal)
+        shifted = attention(q, k, v, delta, causal=causal, q_start=shift, k_start=shift)
+        torch.testing.assert_close(shifted, at_zero, atol=2e-5, rtol=1e-4)
+
+    shifted_equals_unshifted()
+
+
+@_check
+def check_saved_tensors_are_linear_in_length(attention):
+    """The backward recomputes probabilities: nothing of size n^2 is kept between the passes."""
+    n, d = 64, 16
+    q, k, v, delta = (x.requires_grad_() for x in _inputs(1, 1, n, n, d, True, seed=6))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x.numel()) or x, lambda x: x):
+        attention(q, k, v, delta, causal=True)
+    assert saved and max(saved) == n * d < n * n
+
+
+@_check
+def check_bad_inputs_raise_config_errors(attention):
+    q, k, v, delta = _inputs(1, 2, 8, 8, 32, True, seed=7)
+    with pytest.raises(ConfigError, match="head dim 48"):
+        attention(*(x[..., :24].repeat(1, 1, 1, 2) for x in (q, k, v)))
+    with pytest.raises(ConfigError, match="k and v"):
+        attention(q, k, v[:, :1])
+    with pytest.raises(ConfigError, match="delta"):
+        attention(q, k, v, delta[:1])
+    with pytest.raises(ConfigError, match="seq_lens"):
+        attention(q, k, v, seq_lens=torch.tensor([9]))
+    with pytest.raises(ConfigError, match="q_start"):
+        attention(q, k, v, q_start=torch.tensor([1.5]))
+    with pytest.raises(ConfigError, match="one dtype"):
+        attention(q, k.double(), v)
+
+
+def _run_checks(names: list[str]) -> dict:
+    from poslab.kernels.pope_flash import pope_flash_attention
+
+    report = {}
+    for name in names:
+        start = time.perf_counter()
+        try:
+            CHECKS[name](pope_flash_attention)
+            error = None
+        except Exception:  # the parent shows the traceback in the failing test
+            error = traceback.format_exc()
+        report[name] = {"error": error, "seconds": round(time.perf_counter() - start, 2)}
+    return report
+
+
+# ----- pytest side -----
+
+@pytest.fixture(scope="module")
+def interpreter_report(request):
+    pytest.importorskip("triton")
+    wanted = [item.callspec.params["name"] for item in request.session.items
+              if getattr(item, "originalname", None) == "test_under_interpreter"]
+    proc = subprocess.run([sys.executable, __file__, *wanted], capture_output=True, text=True, timeout=1200,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_under_interpreter(interpreter_report, name):
+    error = interpreter_report[name]["error"]
+    assert error is None, error
+
+
+def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from poslab.kernels.pope_flash import pope_flash_attention
+
+    q, k, v, _ = _inputs(1, 1, 8, 8, 16, False, seed=8)
+    with pytest.raises(ConfigError, match="CUDA"):
+        pope_flash_attention(q, k, v)
+
+
+def test_triton_available_follows_cuda_or_interpreter(monkeypatch):
+    pytest.importorskip("triton")
+    from poslab.kernels import triton_available
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert triton_available()
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert triton_available() == torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the interpreter tests cover CPU)")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-4), (torch.bfloat16, 6e-2), (torch.float16, 2e-2)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_cuda_matches_reference(dtype, tol, d):
+    pytest.importorskip("triton")
+    from poslab.kernels.pope_flash import pope_flash_attention
+
+    _compare(pope_flash_attention, dtype=dtype, tol=tol, device="cuda", b=2, h=3, nq=333, d=d, causal=True,
+             seq_lens=torch.tensor([333, 200], device="cuda"))
+    _compare(pope_flash_attention, dtype=dtype, tol=tol, device="cuda", b=1, h=2, nq=7, nk=300, d=d,
+             causal=True, q_start=293)
+
+
+if __name__ == "__main__":  # the child process of interpreter_report
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    print(json.dumps(_run_checks(sys.argv[1:] or list(CHECKS))))
