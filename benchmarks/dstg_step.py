@@ -1,0 +1,75 @@
+"""DSTG-NeoBERT training step time against RoPE-NeoBERT at matched parameter count, same run, same threads.
+
+A step is forward + MLM loss + backward + AdamW update on a random batch (20% of tokens labelled, as
+in NeoBERT's masking). The two models alternate step by step after a warm-up, so load from other
+processes hits both alike; the ratio of median step times is printed (target: DSTG / RoPE <= 1.25).
+
+    python benchmarks/dstg_step.py [--scale quick|paper] [--batch 16] [--seq 128] [--steps 20]
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+
+import poslab
+from poslab.models.dstg import count_parameters, ready_config
+
+
+def make_step(values: dict, batch: int, seq: int, seed: int):
+    torch.manual_seed(seed)
+    model = poslab.build_model(values).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, values["vocab_size"], (batch, seq), generator=gen)
+    labels = torch.where(torch.rand(batch, seq, generator=gen) < 0.2, ids, torch.full_like(ids, -100))
+
+    def step() -> float:
+        start = time.perf_counter()
+        loss = model(ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", choices=("quick", "paper"), default="quick")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    configs = {name: ready_config(name, args.scale) for name in ("dstg", "rope_neobert")}
+    steps = {name: make_step(values, args.batch, args.seq, seed=0) for name, values in configs.items()}
+    for _ in range(args.warmup):
+        for step in steps.values():
+            step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(args.steps):
+        for name, step in steps.items():
+            times[name].append(step())
+
+    print(f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; scale {args.scale}, batch {args.batch} x seq {args.seq}, "
+          f"{args.steps} alternating steps after {args.warmup} warm-up")
+    for name, values in configs.items():
+        t = times[name]
+        print(f"  {name:<13} {count_parameters(values):>12,d} params  median {statistics.median(t) * 1e3:8.1f} ms"
+              f"  (min {min(t) * 1e3:.1f}, max {max(t) * 1e3:.1f})")
+    ratio = statistics.median(times["dstg"]) / statistics.median(times["rope_neobert"])
+    print(f"DSTG / RoPE-NeoBERT step time: {ratio:.3f}x (target <= 1.25x)")
+
+
+if __name__ == "__main__":
+    main()
