@@ -13,17 +13,22 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelF
 from poslab.errors import ConfigError, unknown_key_message
 from poslab.models.cache import ActivationCache
 from poslab.models.config import ModelConfig
+from poslab.models.dstg import DSTGNeoBertConfig, DSTGNeoBertForMaskedLM, DSTGNeoBertModel
 from poslab.models.hf import PoslabConfig, PoslabForCausalLM, PoslabForMaskedLM, PoslabModel
 
 AutoConfig.register("poslab", PoslabConfig, exist_ok=True)
 AutoModel.register(PoslabConfig, PoslabModel, exist_ok=True)
 AutoModelForCausalLM.register(PoslabConfig, PoslabForCausalLM, exist_ok=True)
 AutoModelForMaskedLM.register(PoslabConfig, PoslabForMaskedLM, exist_ok=True)
+AutoConfig.register("dstg_neobert", DSTGNeoBertConfig, exist_ok=True)
+AutoModel.register(DSTGNeoBertConfig, DSTGNeoBertModel, exist_ok=True)
+AutoModelForMaskedLM.register(DSTGNeoBertConfig, DSTGNeoBertForMaskedLM, exist_ok=True)
 
 # arch -> "module:function" taking the model config dict and returning a PreTrainedModel.
 ARCHS: dict[str, str] = {
     "decoder": "poslab.models:build_poslab",
     "encoder": "poslab.models:build_poslab",
+    "dstg": "poslab.models.dstg:build_dstg",
 }
 
 
