@@ -11,6 +11,9 @@ from poslab.errors import PoslabError
 
 COMMAND_MODULES = [
     "poslab.demo",
+    "poslab.tasks.cli",
+    "poslab.data.cli",
+    "poslab.train.cli",
 ]
 
 
@@ -20,7 +23,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="poslab", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="poslab", description="Build, train and dissect Transformers whose positional information is explicit.")
     from poslab import __version__
 
     parser.add_argument("--version", action="version", version=f"poslab {__version__}")
