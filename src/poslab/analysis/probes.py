@@ -1,0 +1,323 @@
+"""Probes: what can be read off hidden states, and how well on sequences the probe never saw.
+
+Layout everywhere: features ``(S, n, d)`` (S sequences of n tokens), targets ``(S, n)`` or
+``(S, n, t)``, and a token mask ``(S, n)`` bool (False = padding or no target there). Splits are by
+*sequence*, never by token: tokens of one sequence share context (and often a label), so a token
+split would let a probe memorise a sequence from its neighbours and score well without learning
+anything positional.
+
+Three probes:
+  ridge_probe           linear, closed form, R^2 on held-out sequences (DSTG's layer-wise probes). It
+                        streams the data once into sufficient statistics (counts, sums, X^T X, X^T y per
+                        split), so every regularisation strength, validation score and test score is
+                        d x d algebra afterwards; 10^6 tokens per layer cost one Gram matrix.
+  mlp_probe             a 4-layer MLP regressor, NRMSE and Pearson R (the adjacency paper's probe).
+  classification_probe  a linear (or deeper) softmax classifier, accuracy and macro-F1.
+
+Features beyond raw hidden states: ``cosine_features`` (the adjacency hypothesis: how a state relates
+to the states it can see) and ``variance_features`` (Chi et al.'s hypothesis: the spread of a state
+across hidden dimensions).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from poslab.analysis.similarity import cosine_self_similarity
+from poslab.errors import DataError
+
+RIDGE_ALPHAS = (1e-6, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """Indices of training, validation (for choosing hyper-parameters) and test sequences; disjoint."""
+
+    train: torch.Tensor
+    val: torch.Tensor
+    test: torch.Tensor
+
+
+def split_sequences(n_sequences: int, test_fraction: float = 0.25, val_fraction: float = 0.2,
+                    seed: int = 0) -> SequenceSplit:
+    """A seeded split of sequence indices 0..S-1: test first, then validation out of the rest."""
+    if not 0 < test_fraction < 1 or not 0 < val_fraction < 1:
+        raise DataError(f"probe split fractions must lie in (0, 1), got test {test_fraction}, val {val_fraction}")
+    n_test = max(1, round(n_sequences * test_fraction))
+    n_val = max(1, round((n_sequences - n_test) * val_fraction))
+    if n_sequences - n_test - n_val < 1:
+        raise DataError(f"too few sequences for a probe split: {n_sequences} (need at least 3: train, validation and "
+                        "test sequences are kept apart); analyse more sequences")
+    perm = torch.randperm(n_sequences, generator=torch.Generator().manual_seed(seed))
+    return SequenceSplit(train=perm[n_test + n_val:].sort().values, val=perm[n_test:n_test + n_val].sort().values,
+                         test=perm[:n_test].sort().values)
+
+
+# ---------------------------------------------------------------------------------------------- targets
+
+def absolute_positions(mask: torch.Tensor) -> torch.Tensor:
+    """0-based index of each real token among the real tokens of its sequence. mask (S, n) -> (S, n) long."""
+    return mask.long().cumsum(-1) - 1
+
+
+def valid_targets(targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Tokens that have a target: inside the mask and not marked missing with a negative value (-100, -1)."""
+    ok = targets >= 0 if targets.dim() == mask.dim() else (targets >= 0).all(-1)
+    return mask & ok
+
+
+# --------------------------------------------------------------------------------------------- features
+
+def cosine_features(h: torch.Tensor, causal: bool = True, lags: tuple[int, ...] = (1, 2, 4, 8, 16),
+                    chunk: int = 64) -> torch.Tensor:
+    """How each state relates to the states it can see. h (S, n, d) -> (S, n, 4 + len(lags)).
+
+    Visible states are the earlier positions (causal) or all other positions (bidirectional). Per token:
+    mean, standard deviation and maximum of its cosine similarities to the visible states, its
+    similarity to the first position, and its similarity to the state ``lag`` positions back (causal) or
+    the mean of ``lag`` back and ahead (bidirectional). A statistic with nothing to look at is 0; only
+    the first ``max(lags)`` positions have such gaps, so they carry a little position information of
+    their own (one bit per lag).
+    """
+    S, n, _ = h.shape
+    k = torch.arange(n, device=h.device)
+    visible = (k[None, :] < k[:, None]) if causal else (k[None, :] != k[:, None])  # (n, n) row sees column
+    count = visible.sum(-1).clamp(min=1)
+    out = []
+    for start in range(0, S, chunk):
+        c = cosine_self_similarity(h[start:start + chunk].float())  # (s, n, n)
+        vis_c = torch.where(visible, c, 0.0)
+        mean = vis_c.sum(-1) / count
+        var = torch.where(visible, (c - mean[..., None]) ** 2, 0.0).sum(-1) / count
+        top = torch.where(visible, c, -torch.inf).amax(-1)
+        feats = [mean, var.sqrt(), torch.where(visible.any(-1), top, 0.0), vis_c[..., 0]]
+        for lag in lags:
+            back = torch.diagonal(c, offset=-lag, dim1=-2, dim2=-1)  # C[k, k - lag], (s, n - lag)
+            back = F.pad(back, (lag, 0)) if lag < n else c.new_zeros(c.shape[:-1])
+            if causal:
+                feats.append(back)
+            else:
+                ahead = F.pad(torch.diagonal(c, offset=lag, dim1=-2, dim2=-1), (0, lag)) if lag < n else back
+                both = (k >= lag).float() + (k < n - lag).float()
+                feats.append((back + ahead) / both.clamp(min=1))
+        out.append(torch.stack(feats, -1))
+    return torch.cat(out)
+
+
+def variance_features(h: torch.Tensor) -> torch.Tensor:
+    """Variance of each state across hidden dimensions (Chi et al. 2023). h (S, n, d) -> (S, n, 1)."""
+    return h.float().var(-1, unbiased=False)[..., None]
+
+
+# ----------------------------------------------------------------------------------------- ridge probe
+
+@dataclass
+class _Moments:
+    """Sufficient statistics of one split for linear least squares, in coordinates shifted by a constant c."""
+
+    n: float
+    sx: torch.Tensor  # (d,)   sum of x - c
+    sy: torch.Tensor  # (t,)   sum of y
+    syy: torch.Tensor  # (t,)  sum of y^2
+    xx: torch.Tensor  # (d, d) sum of (x - c)(x - c)^T
+    xy: torch.Tensor  # (d, t) sum of (x - c) y^T
+
+
+def _moments(x: torch.Tensor, y: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor, center: torch.Tensor,
+             chunk_tokens: int) -> _Moments:
+    """Accumulate the statistics of sequences ``rows`` chunk by chunk (float32 products, float64 sums)."""
+    d, t = x.shape[-1], y.shape[-1]
+    xx = torch.zeros(d, d, dtype=torch.float64)
+    xy = torch.zeros(d, t, dtype=torch.float64)
+    sx, sy, syy, count = torch.zeros(d, dtype=torch.float64), torch.zeros(t, dtype=torch.float64), \
+        torch.zeros(t, dtype=torch.float64), 0
+    step = max(1, chunk_tokens // max(1, x.shape[1]))
+    for i in range(0, len(rows), step):
+        idx = rows[i:i + step]
+        m = valid[idx]
+        xs = x[idx][m].float() - center
+        ys = y[idx][m].float()
+        xx += (xs.T @ xs).double()
+        xy += (xs.T @ ys).double()
+        sx += xs.double().sum(0)
+        sy += ys.double().sum(0)
+        syy += (ys.double() ** 2).sum(0)
+        count += xs.shape[0]
+    return _Moments(float(count), sx, sy, syy, xx, xy)
+
+
+def _sse(m: _Moments, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum (y - b - x^T w)^2 per target from the moments alone. w (d, t), b (t,) -> (t,)."""
+    return (m.syy + m.n * b**2 - 2 * b * m.sy - 2 * (w * m.xy).sum(0) + 2 * b * (m.sx @ w)
+            + (w * (m.xx @ w)).sum(0))
+
+
+def _sst(m: _Moments) -> torch.Tensor:
+    return m.syy - m.sy**2 / max(m.n, 1.0)
+
+
+def _centered(m: _Moments) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Covariance-style sums about the split's own means: (xx, xy, mean x, mean y)."""
+    mx, my = m.sx / m.n, m.sy / m.n
+    return m.xx - m.n * torch.outer(mx, mx), m.xy - m.n * torch.outer(mx, my), mx, my
+
+
+def _ridge_path(m: _Moments, alphas: tuple[float, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(w (d, t), intercept (t,)) for each alpha, on features standardised by this split's deviation.
+
+    The penalty is alpha * n * |w_std|^2: alpha is per token, so it means the same at any data size.
+    """
+    xx, xy, mx, my = _centered(m)
+    scale = (torch.diagonal(xx) / m.n).clamp(min=0).sqrt()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    evals, evecs = torch.linalg.eigh(xx / torch.outer(scale, scale))
+    proj = evecs.T @ (xy / scale[:, None])
+    out = []
+    for alpha in alphas:
+        w = (evecs @ (proj / (evals.clamp(min=0) + alpha * m.n)[:, None])) / scale[:, None]
+        out.append((w, my - mx @ w))
+    return out
+
+
+def ridge_probe(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, split: SequenceSplit,
+                alphas: tuple[float, ...] = RIDGE_ALPHAS, chunk_tokens: int = 1 << 16) -> dict:
+    """Closed-form ridge regression from x (S, n, d) to y (S, n) or (S, n, t); R^2 on test sequences.
+
+    The strength is chosen per target on the validation sequences, then the probe is refitted on
+    training + validation sequences. Returns {"r2": [t], "alpha": [t], "train_tokens", "test_tokens"}.
+    """
+    y = y[..., None] if y.dim() == 2 else y
+    valid = valid_targets(y, mask)
+    fit_rows = torch.cat([split.train, split.val]).sort().values
+    if not all(valid[rows].any() for rows in (split.train, split.val, split.test)):
+        raise DataError("too few probe targets: a split of the sequences has no valid token; analyse more sequences")
+    # Any constant shift works; the mean of a first slice keeps the float32 Gram products well conditioned.
+    head = split.train[: max(1, chunk_tokens // max(1, x.shape[1]))]
+    first = x[head][valid[head]].float()
+    center = first.mean(0) if len(first) else x.new_zeros(x.shape[-1], dtype=torch.float32)
+    train, val, test = (_moments(x, y, valid, rows, center, chunk_tokens) for rows in (split.train, split.val, split.test))
+    val_sse = torch.stack([_sse(val, w, b) for w, b in _ridge_path(train, alphas)])  # (alphas, t)
+    best = val_sse.argmin(0)
+    fit = _Moments(train.n + val.n, train.sx + val.sx, train.sy + val.sy, train.syy + val.syy, train.xx + val.xx,
+                   train.xy + val.xy)
+    path = _ridge_path(fit, alphas)
+    w = torch.stack([path[int(a)][0][:, j] for j, a in enumerate(best)], 1)
+    b = torch.stack([path[int(a)][1][j] for j, a in enumerate(best)])
+    r2 = 1 - _sse(test, w, b) / _sst(test).clamp(min=1e-12)
+    return {"r2": r2.tolist(), "alpha": [alphas[int(a)] for a in best], "train_tokens": int(fit.n),
+            "test_tokens": int(test.n), "fit_sequences": len(fit_rows), "test_sequences": len(split.test)}
+
+
+# ------------------------------------------------------------------------------------ trained probes
+
+def _tokens(x: torch.Tensor, y: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x[rows][valid[rows]].float(), y[rows][valid[rows]]
+
+
+def _network(d_in: int, d_out: int, layers: int, hidden: int) -> nn.Sequential:
+    """``layers`` linear maps with ReLU between them; layers=1 is a linear model."""
+    dims = [d_in] + [hidden] * (layers - 1) + [d_out]
+    mods: list[nn.Module] = []
+    for i in range(layers):
+        mods.append(nn.Linear(dims[i], dims[i + 1]))
+        if i < layers - 1:
+            mods.append(nn.ReLU())
+    return nn.Sequential(*mods)
+
+
+def _train(net: nn.Module, x: torch.Tensor, target: torch.Tensor, loss_fn, steps: int, lr: float, batch: int,
+           seed: int) -> None:
+    """Minibatch AdamW with a cosine schedule; the token order is seeded, so a probe is reproducible."""
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=1e-4)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
+    for _ in range(steps):
+        idx = torch.randint(0, x.shape[0], (min(batch, x.shape[0]),), generator=gen)
+        loss = loss_fn(net(x[idx]), target[idx])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+
+
+def _standardise(train: torch.Tensor, *others: torch.Tensor) -> list[torch.Tensor]:
+    mean, std = train.mean(0), train.std(0, unbiased=False)
+    std = torch.where(std > 0, std, torch.ones_like(std))
+    return [(t - mean) / std for t in (train, *others)]
+
+
+def _check_tokens(name: str, *parts: torch.Tensor) -> None:
+    if any(p.shape[0] == 0 for p in parts):
+        raise DataError(f"too few probe targets for {name}: a split of the sequences has no valid token; "
+                        "analyse more sequences")
+
+
+def mlp_probe(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, split: SequenceSplit, layers: int = 4,
+              hidden: int = 256, steps: int = 1000, lr: float = 1e-3, batch: int = 1024, seed: int = 0) -> dict:
+    """An MLP regressor (``layers`` linear maps) from x (S, n, d) to a scalar y (S, n), trained on the
+    training + validation sequences, scored on the test sequences.
+
+    NRMSE = RMSE / standard deviation of the test targets (1 = no better than predicting their mean,
+    0 = exact); Pearson R between predictions and targets.
+    """
+    valid = valid_targets(y, mask)
+    fit_rows = torch.cat([split.train, split.val])
+    x_fit, y_fit = _tokens(x, y, valid, fit_rows)
+    x_test, y_test = _tokens(x, y, valid, split.test)
+    _check_tokens("the MLP probe", x_fit, x_test)
+    x_fit, x_test = _standardise(x_fit, x_test)
+    y_mean, y_std = y_fit.float().mean(), y_fit.float().std(unbiased=False).clamp(min=1e-12)
+    torch.manual_seed(seed)
+    net = _network(x.shape[-1], 1, layers, hidden)
+    _train(net, x_fit, ((y_fit.float() - y_mean) / y_std)[:, None], F.mse_loss, steps, lr, batch, seed)
+    with torch.no_grad():
+        pred = net(x_test)[:, 0] * y_std + y_mean
+    y_test = y_test.float()
+    rmse = torch.sqrt(((pred - y_test) ** 2).mean())
+    spread = y_test.std(unbiased=False)
+    pc, tc = pred - pred.mean(), y_test - y_test.mean()
+    denom = torch.sqrt((pc**2).sum() * (tc**2).sum())
+    return {"nrmse": float(rmse / spread) if spread > 0 else math.nan,
+            "pearson_r": float((pc * tc).sum() / denom) if denom > 0 else math.nan,
+            "rmse": float(rmse), "train_tokens": x_fit.shape[0], "test_tokens": x_test.shape[0]}
+
+
+def macro_f1(pred: torch.Tensor, true: torch.Tensor) -> float:
+    """Unweighted mean of per-class F1 over every class present in the predictions or the targets."""
+    classes = torch.unique(torch.cat([pred, true]))
+    scores = []
+    for c in classes:
+        tp = ((pred == c) & (true == c)).sum().item()
+        fp = ((pred == c) & (true != c)).sum().item()
+        fn = ((pred != c) & (true == c)).sum().item()
+        scores.append(2 * tp / (2 * tp + fp + fn))
+    return sum(scores) / len(scores)
+
+
+def classification_probe(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, split: SequenceSplit,
+                         layers: int = 1, hidden: int = 256, steps: int = 1000, lr: float = 1e-2,
+                         batch: int = 1024, seed: int = 0) -> dict:
+    """A softmax classifier from x (S, n, d) to integer classes y (S, n) (negative = no label).
+
+    layers=1 is a linear probe. Classes seen only in test sequences are still scored (as errors).
+    Returns {"accuracy", "macro_f1", "classes", "train_tokens", "test_tokens"}.
+    """
+    valid = valid_targets(y, mask)
+    fit_rows = torch.cat([split.train, split.val])
+    x_fit, y_fit = _tokens(x, y, valid, fit_rows)
+    x_test, y_test = _tokens(x, y, valid, split.test)
+    _check_tokens("the classification probe", x_fit, x_test)
+    x_fit, x_test = _standardise(x_fit, x_test)
+    n_classes = int(max(y_fit.max(), y_test.max())) + 1
+    torch.manual_seed(seed)
+    net = _network(x.shape[-1], n_classes, layers, hidden)
+    _train(net, x_fit, y_fit.long(), F.cross_entropy, steps, lr, batch, seed)
+    with torch.no_grad():
+        pred = net(x_test).argmax(-1)
+    return {"accuracy": float((pred == y_test).float().mean()), "macro_f1": macro_f1(pred, y_test.long()),
+            "classes": int(torch.unique(y_fit).numel()), "train_tokens": x_fit.shape[0],
+            "test_tokens": x_test.shape[0]}

@@ -1,0 +1,91 @@
+"""Variance, spectra, head taxonomy and frequency-usage functions on inputs with known answers."""
+import math
+
+import pytest
+import torch
+
+from poslab.analysis.frequencies import frequency_sums, usage_summary
+from poslab.analysis.heads import allowed_keys, label_heads, term_variances, variance_shares
+from poslab.analysis.spectra import dct_power, pca, spectrum_summary
+from poslab.analysis.variance import position_variance, variance_profile, variance_trend
+
+
+def test_variance_profile_of_causal_means_shrinks():
+    torch.manual_seed(0)
+    x = torch.randn(64, 40, 128)
+    means = x.cumsum(1) / torch.arange(1, 41)[None, :, None]
+    prof = variance_profile(means)
+    assert prof.shape == (40,)
+    assert prof[0] == pytest.approx(1.0, rel=0.05) and prof[39] == pytest.approx(1 / 40, rel=0.1)
+    trend = variance_trend(prof)
+    assert trend["spearman_rho"] < -0.99 and trend["late_to_early"] < 0.2
+    mask = torch.ones(64, 40, dtype=torch.bool)
+    mask[:, 30:] = False
+    assert torch.isnan(variance_profile(means, mask)[30:]).all()
+    assert position_variance(torch.tensor([[1.0, 3.0]])).item() == 1.0
+
+
+def test_pca_of_a_rank_two_smooth_table():
+    pos = torch.arange(64, dtype=torch.float64)
+    basis = torch.randn(2, 32, dtype=torch.float64)
+    table = torch.stack([torch.cos(math.pi * pos / 63), pos / 63], 1) @ basis
+    ratios, scores = pca(table)
+    assert ratios[:2].sum() == pytest.approx(1.0) and ratios[2:].sum() < 1e-12
+    summary = spectrum_summary(table.float())
+    assert summary["top2_explained"] == pytest.approx(1.0, abs=1e-5)
+    # PC1 is ~ the half cosine (bin 1); PC2 the part of the ramp orthogonal to it (mostly bin 3).
+    assert min(summary["low_bin_share"][:2]) > 0.8
+    noisy = spectrum_summary(torch.randn(64, 32))  # an entangled-looking table: no dominant smooth axes
+    assert noisy["top2_explained"] < 0.25 and sum(noisy["low_bin_share"]) / 4 < 0.3
+
+
+def test_dct_power_locates_a_pure_cosine():
+    n = 32
+    t = torch.arange(n, dtype=torch.float64)
+    sig = torch.cos(math.pi * 5 * (t + 0.5) / n)  # DCT-II basis function 5
+    p = dct_power(sig[None])
+    assert p[0, 5] == pytest.approx(1.0) and p.sum() == pytest.approx(1.0)
+    noise = dct_power(torch.randn(1, n, dtype=torch.float64))
+    assert noise[0, :4].sum() < 0.6
+
+
+def test_head_shares_and_labels():
+    torch.manual_seed(0)
+    b, h, n = 2, 3, 6
+    row_const = torch.randn(b, h, n, 1).expand(b, h, n, n)  # varies by query only: irrelevant to softmax
+    big = torch.randn(b, h, n, n) * torch.tensor([10.0, 0.1, 1.0])[None, :, None, None]
+    small = torch.randn(b, h, n, n)
+    small[:, 2] = big[:, 2]  # head 2: ap and sem vary equally -> shares 1/2, 1/2
+    terms = {"ap": big, "sem": small, "rp": row_const}
+    sums, rows = term_variances(terms, allowed_keys(n, causal=True))
+    assert rows.tolist() == [b * (n - 1)] * h  # query 0 sees one key: skipped
+    shares = variance_shares(sums)
+    assert torch.allclose(shares.sum(0), torch.ones(h, dtype=torch.float64))
+    assert torch.all(shares[2] < 1e-12)
+    assert torch.allclose(shares[:2, 2], torch.tensor([0.5, 0.5], dtype=torch.float64))
+    assert label_heads(shares, list(terms), threshold=0.6) == ["structure", "semantic", "mixed"]
+
+
+def test_head_variance_matches_a_direct_count_with_padding():
+    torch.manual_seed(1)
+    n = 5
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    logits = torch.randn(2, 1, n, n)
+    sums, rows = term_variances({"content": logits}, allowed_keys(n, causal=False, attention_mask=mask))
+    expected, count = 0.0, 0
+    for bi in range(2):
+        real = int(mask[bi].sum())
+        for q in range(real):
+            expected += logits[bi, 0, q, :real].double().var(unbiased=False).item()
+            count += 1
+    assert sums[0, 0].item() == pytest.approx(expected) and rows.item() == count
+
+
+def test_frequency_sums_ignore_padding():
+    norms = torch.ones(2, 3, 4, 5)
+    norms[1, :, 2:] = 100.0
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    total, count = frequency_sums(norms, mask)
+    assert count == 3 * 6 and torch.allclose(total / count, torch.ones(5, dtype=torch.float64))
+    summary = usage_summary(torch.tensor([[4.0, 1, 1, 1, 1, 1, 1, 1]]), torch.ones(1, 8))
+    assert summary["q"]["peak_index"] == [0] and summary["q"]["high_frequency_share"][0] == pytest.approx(5 / 11)
