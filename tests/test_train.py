@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import argparse
-import copy
+import io
 import itertools
 import json
 import math
@@ -14,13 +14,16 @@ import yaml
 from safetensors.torch import load_file
 from torch import nn
 
+import poslab.cli
 from poslab.errors import CheckpointError, ConfigError, PoslabError
 from poslab.models import build_model
+import poslab.train
 from poslab.train import RunConfig, TrainConfig, TrainingDiverged, load_config, load_run, train
 from poslab.train import checkpoint as ckpt
 from poslab.train import trainer as trainer_module
 from poslab.train.cli import register
 from poslab.train.evaluation import evaluate
+from poslab.train.monitor import Monitor
 from poslab.train.optim import lr_factor, param_groups
 
 
@@ -258,7 +261,7 @@ def test_output_directory_rules(tmp_path):
     assert (tmp_path / "notes/keep.txt").read_text() == "mine"
 
     train(config, tmp_path / "run")
-    other = RunConfig.from_dict(copy.deepcopy(tiny_config(steps=2)) | {"seed": 1})
+    other = RunConfig.from_dict(tiny_config(steps=2) | {"seed": 1})
     with pytest.raises(ConfigError, match=r"cannot resume: seed \(0 there, 1 now\)"):
         train(other, tmp_path / "run", resume=True)
     more = RunConfig.from_dict(tiny_config(steps=3))  # train settings may change on resume
@@ -300,6 +303,60 @@ def test_cli_writes_run_and_plain_progress_lines(tmp_path, capsys):
         args.func(args)  # the run exists: refused without --resume/--overwrite
 
 
+def test_cli_errors_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(poslab.cli, "COMMAND_MODULES", ["poslab.train.cli"])
+    path = write_config(tmp_path / "c.yaml", tiny_config(steps=1))
+    (tmp_path / "bad.yaml").write_text("train: {steps: [1\n")
+    cases = [
+        [str(tmp_path / "bad.yaml"), "--out", str(tmp_path / "a")],
+        [str(path), "--out", str(tmp_path / "b"), "--set", "train.lrr=1"],
+        [str(path), "--out", str(tmp_path / "c"), "--resume"],
+        [str(path), "--out", str(tmp_path / "d"), "--resume", "--overwrite"],
+    ]
+    for argv in cases:
+        assert poslab.cli.main(["train", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("poslab") and err.count("\n") == 1, err
+    assert not any((tmp_path / name).exists() for name in "abcd")  # nothing written on error
+    assert poslab.cli.main(["train", str(path), "--out", str(tmp_path / "ok")]) == 0
+
+
+def test_progress_bar_on_a_terminal(tmp_path):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Terminal()
+    monitor = Monitor(tmp_path, total_steps=4, start_step=0, stream=stream)
+    monitor.step(1)
+    monitor.log_train(2, {"loss": 1.25, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1234.0, "data_fraction": 0.01})
+    monitor.log_eval(2, {"loss": 1.5, "token_accuracy": 0.25})
+    monitor.close()
+    text = stream.getvalue()
+    assert "loss 1.2500" in text and "1,234 tok/s" in text and "2/4" in text and "eval at step 2" in text
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [2, 2]
+
+
+def test_bf16_autocast_trains(tmp_path):
+    final = train(RunConfig.from_dict(tiny_config(steps=2, precision="bf16")), tmp_path / "run")
+    assert math.isfinite(final["train_loss"]) and math.isfinite(final["eval_loss"])
+    weights = load_file(tmp_path / "run/checkpoints/last/model.safetensors")
+    assert {t.dtype for t in weights.values()} == {torch.float32}  # autocast: fp32 master weights
+
+
+TASK_CONFIGS = Path(poslab.train.__file__).parent.parent / "configs" / "tasks"
+
+
+@pytest.mark.parametrize("name", ["indirect_indexing", "addition", "reversal", "indexing", "ordering"])
+def test_example_task_configs_are_valid_and_train(tmp_path, name):
+    config = load_config(TASK_CONFIGS / f"{name}.yaml")
+    assert config.model.arch == "decoder" and config.data.options["name"] == name
+    small = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "train.steps=1", "train.batch_size=4",
+             "train.warmup_steps=0", "train.eval_batch_size=8", "data.train_size=null", "data.validation_size=8"]
+    final = train(load_config(TASK_CONFIGS / f"{name}.yaml", small), tmp_path / name)
+    assert math.isfinite(final["train_loss"]) and 0 <= final["eval_exact_match"] <= 1
+
+
 class _FixedSource:
     """A minimal BatchSource: two fixed evaluation batches."""
     vocab_size = 11
@@ -327,7 +384,7 @@ def test_generic_evaluation_is_loss_and_accuracy_on_labelled_tokens(arch):
     if arch == "decoder":
         logits, labels = logits[:, :-1], labels[:, 1:]
     keep = labels != -100
-    expected = nn.functional.cross_entropy(logits[keep], labels[keep])
-    assert metrics["loss"] == pytest.approx(float(expected), rel=1e-5)
+    expected = nn.functional.cross_entropy(logits[keep], labels[keep]).detach()
+    assert metrics["loss"] == pytest.approx(expected.item(), rel=1e-5)
     assert metrics["token_accuracy"] == pytest.approx(float((logits.argmax(-1)[keep] == labels[keep]).float().mean()))
     assert metrics["tokens"] == int(keep.sum()) and model.training

@@ -32,28 +32,42 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, root: str, runs: dict[str, tuple[dict, int]]) -> None:
+def _worker(rank: int, root: str, runs: list[tuple[str, dict, bool, int]]) -> None:
     """What torchrun does: set the rendezvous variables, then run the same training in every process."""
     torch.set_num_threads(1)
-    for name, (raw, port) in runs.items():
+    for name, raw, resume, port in runs:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                           WORLD_SIZE=str(WORLD))
-        final = train(RunConfig.from_dict(raw), Path(root) / name)
+        final = train(RunConfig.from_dict(raw), Path(root) / name, resume=resume)
         (Path(root) / f"{name}.rank{rank}.json").write_text(json.dumps(final))
 
 
 def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path):
     settings = {"steps": 3, "batch_size": 8, "grad_accum": 2, "checkpoint_every": 3}
-    single = train(RunConfig.from_dict(tiny_config(**settings)), tmp_path / "single")
-    runs = {"ddp": (tiny_config(**settings), _free_port()), "fsdp": (tiny_config(**settings, fsdp=True), _free_port())}
-    mp.spawn(_worker, args=(str(tmp_path), runs), nprocs=WORLD)
+    train(RunConfig.from_dict(tiny_config(**settings)), tmp_path / "single")
+    # FSDP is also resumed for one more step: the optimizer state goes from a full checkpoint to shards.
+    runs = [("ddp", tiny_config(**settings), False, _free_port()),
+            ("fsdp", tiny_config(**settings, fsdp=True), False, _free_port()),
+            ("fsdp", tiny_config(**settings | {"steps": 4}, fsdp=True), True, _free_port())]
+    # fork, not spawn: the workers inherit the imported modules instead of importing torch and
+    # transformers again (seconds per process on two cores); the fixture set one thread before.
+    mp.start_processes(_worker, args=(str(tmp_path), runs), nprocs=WORLD, start_method="fork")
+    _assert_same_weights(tmp_path / "ddp", tmp_path / "single")
+    single = train(RunConfig.from_dict(tiny_config(**settings | {"steps": 4})), tmp_path / "single", resume=True)
+    _assert_same_weights(tmp_path / "fsdp", tmp_path / "single")
 
-    reference = load_file(tmp_path / "single/checkpoints/last/model.safetensors")
-    for name in runs:
-        assert losses(tmp_path / name) == pytest.approx(losses(tmp_path / "single"), rel=1e-5), name
-        weights = load_file(tmp_path / name / "checkpoints/last/model.safetensors")
-        assert weights.keys() == reference.keys()
-        for key, value in reference.items():
-            torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
+    for name in ("ddp", "fsdp"):
+        assert losses(tmp_path / name) == pytest.approx(losses(tmp_path / "single")[:len(losses(tmp_path / name))],
+                                                        rel=1e-5), name
         finals = [json.loads((tmp_path / f"{name}.rank{r}.json").read_text()) for r in range(WORLD)]
-        assert finals[0]["eval_loss"] == finals[1]["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-5)
+        assert finals[0]["eval_loss"] == finals[1]["eval_loss"]
+        assert json.loads((tmp_path / name / "checkpoints/last/trainer_state.json").read_text())["world_size"] == WORLD
+    assert len(losses(tmp_path / "fsdp")) == 4
+    assert finals[0]["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-5)
+
+
+def _assert_same_weights(run: Path, reference_run: Path) -> None:
+    weights, reference = (load_file(r / "checkpoints/last/model.safetensors") for r in (run, reference_run))
+    assert weights.keys() == reference.keys()
+    for key, value in reference.items():
+        torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=1e-5, msg=f"{run.name}: {key}")
