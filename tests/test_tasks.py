@@ -349,6 +349,8 @@ def test_a_split_the_problem_space_cannot_fill_raises_data_error():
 def test_built_through_poslab_batches():
     source = build_any_source("task", seed=0, name="reversal", train_size=None, **SMALL)
     assert isinstance(source, BatchSource) and source.vocab_size == source.tokenizer.vocab_size
+    with pytest.raises(ConfigError, match=r"needs the task's name \(data.name\): one of indirect_indexing, addition"):
+        build_any_source("task", seed=0, max_len=5)
 
 
 # ---- evaluation: teacher-forced exact match == greedy decoding ----------------------------------
@@ -421,6 +423,8 @@ def test_teacher_forced_exact_match_equals_greedy_decoding(name):
     assert metrics["examples"] == len(examples) and metrics["tokens"] == tokens
     assert metrics["token_accuracy"] == pytest.approx(hits / tokens)
     assert metrics["loss"] == pytest.approx(nll / tokens, rel=1e-5)
+    first = evaluate(lambda ids, mask: model(ids, mask), source, "validation", batch_size=16, max_batches=2)
+    assert first["examples"] == 32 and first["exact_match"] == pytest.approx(sum(by_greedy[:32]) / 32)
 
 
 # ---- command line ---------------------------------------------------------------------------------

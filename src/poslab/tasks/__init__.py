@@ -39,8 +39,10 @@ def build_task(name: str, **options: Any) -> Task:
     return cls(parse_options(cls.Options, options))
 
 
-def build_batch_source(seed: int, name: str, **options: Any) -> TaskSource:
+def build_batch_source(seed: int, name: str | None = None, **options: Any) -> TaskSource:
     """The BatchSource of task `name` (the builder behind data kind 'task' in poslab.batches)."""
+    if name is None:
+        raise ConfigError(f"a task source needs the task's name (data.name): one of {', '.join(TASKS)}")
     return TaskSource(build_task(name, **options), seed)
 
 

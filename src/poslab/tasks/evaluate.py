@@ -8,6 +8,7 @@ wrong token, so its answer differs. tests/test_tasks.py checks this against an e
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -36,8 +37,9 @@ def exact_match(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(model_fn: ModelFn, source: TaskSource, split: str = "validation", batch_size: int = 256,
-             device: torch.device | str | None = None) -> dict[str, float]:
-    """Run model_fn(input_ids, attention_mask) -> logits (b, n, vocab) over a whole split.
+             device: torch.device | str | None = None, max_batches: int | None = None) -> dict[str, float]:
+    """Run model_fn(input_ids, attention_mask) -> logits (b, n, vocab) over a split (its first
+    max_batches batches when given; the split's order is fixed, so they are always the same examples).
 
     Returns loss (mean cross-entropy per answer token), token_accuracy, exact_match, and the counts
     examples and tokens. Put the model in eval mode first; for a poslab/Hugging Face model pass
@@ -45,7 +47,7 @@ def evaluate(model_fn: ModelFn, source: TaskSource, split: str = "validation", b
     """
     loss = torch.zeros((), dtype=torch.float64)
     tokens = correct = exact = examples = 0
-    for batch in source.eval_batches(split, batch_size):
+    for batch in itertools.islice(source.eval_batches(split, batch_size), max_batches):
         ids, mask, labels = (batch[k].to(device) for k in ("input_ids", "attention_mask", "labels"))
         logits = model_fn(ids, mask).float()
         loss += F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100,
