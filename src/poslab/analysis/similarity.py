@@ -24,6 +24,7 @@ __all__ = [
     "adjacency_row_scores",
     "adjacency_score",
     "adjacency_row_scores_reference",
+    "sequence_adjacency",
 ]
 
 
@@ -150,3 +151,19 @@ def adjacency_row_scores_reference(sim: torch.Tensor) -> torch.Tensor:
         out[:, k] = (less.sum((1, 2)) + 0.5 * equal.sum((1, 2))) / (k * (k - 1) / 2)
         out[:, k] = torch.where(torch.isfinite(v).all(-1), out[:, k], float("nan"))
     return out.view(*sim.shape[:-1])
+
+
+def sequence_adjacency(h: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Adjacency score of each sequence's own real tokens. h (S, n, d), mask (S, n) bool -> (S,) float64;
+    NaN for a sequence with fewer than 3 real tokens. Sequences of equal length are scored together."""
+    S, n = h.shape[:2]
+    mask = torch.ones(S, n, dtype=torch.bool, device=h.device) if mask is None else mask.bool()
+    lengths = mask.sum(-1)
+    out = torch.full((S,), float("nan"), dtype=torch.float64)
+    for length in torch.unique(lengths).tolist():
+        if length < 3:
+            continue
+        rows = (lengths == length).nonzero().flatten()
+        states = h[rows][mask[rows]].view(len(rows), length, -1)
+        out[rows.cpu()] = adjacency_score(cosine_self_similarity(states)).cpu()
+    return out

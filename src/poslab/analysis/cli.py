@@ -1,0 +1,61 @@
+"""``poslab analyze KIND --run DIR [...]``: measure a trained run; writes DIR/analysis/<kind>.json and PNGs.
+
+KIND: adjacency, variance, probes, spectra, heads, frequencies, extrapolation (see
+``poslab.analysis.commands``). Options a KIND does not use are ignored.
+"""
+from __future__ import annotations
+
+import argparse
+
+from poslab.errors import ConfigError, unknown_key_message
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from poslab.analysis.commands import ANALYSES, Options
+    from poslab.analysis.extrapolation import ROPE_SCALINGS
+
+    defaults = Options()
+    p = subparsers.add_parser("analyze", help="measure a trained run (adjacency, probes, spectra, ...)",
+                              description=__doc__.split("\n")[0])
+    p.add_argument("kind", metavar="KIND", help=f"one of: {', '.join(ANALYSES)}")
+    p.add_argument("--run", required=True, metavar="DIR", help="run directory written by `poslab train`")
+    p.add_argument("--checkpoint", choices=("best", "last"), default=None, help="default: best if present, else last")
+    p.add_argument("--sequences", type=int, default=defaults.sequences, help="evaluation sequences to analyse")
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    p.add_argument("--split", default=None, help="evaluation split (default: the run's train.eval_split)")
+    p.add_argument("--device", default=defaults.device, help="cpu or cuda")
+    p.add_argument("--targets", nargs="+", default=None, help="probes: targets (default: position + every "
+                   "structure label of the data)")
+    p.add_argument("--probe-steps", type=int, default=defaults.probe_steps, help="probes: MLP/classifier steps")
+    p.add_argument("--max-classes", type=int, default=defaults.max_classes,
+                   help="probes: classify task labels only when they have at most this many classes")
+    p.add_argument("--threshold", type=float, default=defaults.threshold,
+                   help="heads: share a term needs to name a head")
+    p.add_argument("--factors", type=float, nargs="+", default=list(defaults.factors),
+                   help="extrapolation: evaluation lengths as multiples of the training length")
+    p.add_argument("--scalings", nargs="*", default=list(defaults.scalings), choices=list(ROPE_SCALINGS),
+                   help="extrapolation: RoPE scalings applied at evaluation to rope runs")
+    p.add_argument("--compare", nargs="*", default=[], metavar="DIR", help="extrapolation: more runs on the figure")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from poslab.analysis.commands import ANALYSES, Options
+    from poslab.analysis.runs import Run
+
+    if args.kind not in ANALYSES:
+        raise ConfigError(unknown_key_message("analysis KIND", args.kind, ANALYSES))
+    for name in ("sequences", "batch_size", "probe_steps", "max_classes"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 < args.threshold <= 1 or any(f <= 0 for f in args.factors):
+        raise ConfigError("--threshold must lie in (0, 1] and --factors must be positive")
+    opts = Options(sequences=args.sequences, batch_size=args.batch_size, split=args.split,
+                   probe_steps=args.probe_steps, max_classes=args.max_classes, threshold=args.threshold,
+                   factors=tuple(args.factors), scalings=tuple(args.scalings), compare=tuple(args.compare),
+                   checkpoint=args.checkpoint, device=args.device,
+                   targets=tuple(args.targets) if args.targets else None)
+    run_ = Run.load(args.run, args.checkpoint, args.device)
+    result = ANALYSES[args.kind](run_, opts)
+    print(f"{args.kind}: wrote {run_.out_dir / (args.kind + '.json')} and {', '.join(result['figures'])}")
+    return 0

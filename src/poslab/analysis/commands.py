@@ -1,0 +1,349 @@
+"""The analyses behind ``poslab analyze KIND --run DIR``.
+
+Each one measures a run (and, where the papers compare against it, the same architecture at random
+initialisation), writes DIR/analysis/<kind>.json and <kind>*.png, and returns the numbers. ANALYSES
+maps KIND to its function; a KIND that does not apply to the model (spectra without an AP table,
+frequencies without rotary frequencies, heads with a single logit term) raises ConfigError.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from poslab.analysis import plots
+from poslab.analysis.capture import collect, iterate_captures
+from poslab.analysis.extrapolation import (ROPE_SCALINGS, evaluate_lengths, rope_scaled_lengths, training_length,
+                                           training_tokens)
+from poslab.analysis.frequencies import frequency_sums, usage_summary
+from poslab.analysis.heads import allowed_keys, label_heads, term_variances, variance_shares
+from poslab.analysis.probes import (absolute_positions, classification_probe, cosine_features, mlp_probe,
+                                    ridge_probe, split_sequences, valid_targets, variance_features)
+from poslab.analysis.runs import Run, by_depth, layer_of, stream_of
+from poslab.analysis.similarity import cosine_self_similarity, sequence_adjacency
+from poslab.analysis.spectra import spectrum_summary
+from poslab.analysis.variance import variance_profile, variance_trend
+from poslab.errors import ConfigError, DataError
+from poslab.positional import InputPositional
+
+STREAMS = ["embed", "embed.*", "blocks.*.resid_post", "blocks.*.resid_post.*"]
+ATTN_OUT = ["blocks.*.attn_out", "blocks.*.attn_out.*"]
+NOT_TARGETS = ("input_ids", "labels", "attention_mask", "position_ids", "doc_id")
+
+
+@dataclass
+class Options:
+    sequences: int = 64
+    batch_size: int = 16
+    split: str | None = None
+    probe_steps: int = 500
+    max_classes: int = 64
+    threshold: float = 0.5
+    factors: tuple[float, ...] = (1, 2, 3, 4, 6, 8, 10)
+    scalings: tuple[str, ...] = tuple(ROPE_SCALINGS)
+    compare: tuple[str, ...] = ()
+    checkpoint: str | None = None
+    device: str = "cpu"
+    targets: tuple[str, ...] | None = None
+
+
+def _models(run: Run) -> list[tuple[str, nn.Module]]:
+    return [("trained", run.model), ("init", run.control())]
+
+
+def _finish(run: Run, kind: str, data: dict, figures: list) -> dict:
+    data["figures"] = [str(p.name) for p in figures]
+    plots.write_json(run.out_dir / f"{kind}.json", data)
+    return data
+
+
+def _nanstats(values: torch.Tensor) -> dict:
+    keep = values[torch.isfinite(values)]
+    return {"mean": float(keep.mean()) if keep.numel() else math.nan,
+            "std": float(keep.std(unbiased=False)) if keep.numel() else math.nan, "sequences": int(keep.numel())}
+
+
+# ---------------------------------------------------------------------------------------------- adjacency
+
+def adjacency(run: Run, opts: Options) -> dict:
+    """Adjacency score per layer and stream, trained vs initialisation; similarity matrices of one sequence."""
+    batches = run.batches(opts.sequences, opts.batch_size, opts.split)
+    data: dict = {"run": str(run.dir), "causal": run.causal, "models": {}}
+    series, mats = {}, {}
+    for label, model in _models(run):
+        caps, batch = collect(model, batches, STREAMS)
+        mask = batch["attention_mask"].bool()
+        scores = {}
+        for name in by_depth(caps):
+            scores[name] = {"layer": layer_of(name), "stream": stream_of(name),
+                            **_nanstats(sequence_adjacency(caps[name], mask))}
+            key = f"{label} {stream_of(name)}"
+            series.setdefault(key, ([], []))
+            series[key][0].append(layer_of(name))
+            series[key][1].append(scores[name]["mean"])
+            if label == "trained" and stream_of(name) == "resid":
+                real = mask[0]
+                mats[name] = cosine_self_similarity(caps[name][0][real]).numpy()
+        data["models"][label] = scores
+    figures = [
+        plots.lines(run.out_dir / "adjacency.png", series, f"Adjacency score by layer ({run.name})",
+                    "layer (0 = embeddings)", "adjacency probability score", hline=0.5),
+        plots.matrices(run.out_dir / "adjacency_similarity.png", mats, "cosine self-similarity, first sequence"),
+    ]
+    return _finish(run, "adjacency", data, figures)
+
+
+# ----------------------------------------------------------------------------------------------- variance
+
+def variance(run: Run, opts: Options) -> dict:
+    """Per-position variance across hidden dimensions of attention outputs and residual streams."""
+    batches = run.batches(opts.sequences, opts.batch_size, opts.split)
+    data: dict = {"run": str(run.dir), "models": {}}
+    figures = []
+    for label, model in _models(run):
+        caps, batch = collect(model, batches, ATTN_OUT + STREAMS)
+        mask = batch["attention_mask"].bool()
+        entry = {}
+        for name in by_depth(caps):
+            profile = variance_profile(caps[name], mask)
+            entry[name] = {"profile": profile.tolist(), **variance_trend(profile)}
+        data["models"][label] = entry
+        if label == "trained":
+            for kind in ("attn_out", "resid_post"):
+                names = [n for n in by_depth(entry) if f".{kind}" in n]
+                series = {n: (list(range(len(entry[n]["profile"]))), entry[n]["profile"]) for n in names}
+                if series:
+                    figures.append(plots.lines(run.out_dir / f"variance_{kind}.png", series,
+                                               f"Variance across hidden dims: {kind} ({run.name})", "position",
+                                               "variance"))
+    return _finish(run, "variance", data, figures)
+
+
+# ------------------------------------------------------------------------------------------------- probes
+
+def _task_targets(labels: torch.Tensor, causal: bool) -> torch.Tensor:
+    """The label each state is asked to predict: labels[i + 1] for a causal model, labels[i] otherwise."""
+    if not causal:
+        return labels
+    return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], 1)
+
+
+def _probe_targets(batch: dict, mask: torch.Tensor, wanted: tuple[str, ...] | None) -> dict[str, torch.Tensor]:
+    targets = {"position": absolute_positions(mask)}
+    targets.update({k: v for k, v in batch.items() if k not in NOT_TARGETS and v.dim() == 2})
+    if wanted is None:
+        return targets
+    for name in wanted:
+        if name not in targets:
+            raise ConfigError(f"unknown probe target '{name}'; this run's data offers: {', '.join(targets)}")
+    return {k: targets[k] for k in wanted}
+
+
+def probes(run: Run, opts: Options) -> dict:
+    """Linear (ridge) probes of every layer for position and structure labels; 4-layer MLP probes of
+    position from cosine-similarity vs variance features; classification of task labels; trained vs init."""
+    batches = run.batches(opts.sequences, opts.batch_size, opts.split)
+    data: dict = {"run": str(run.dir), "models": {}}
+    ridge_series, class_series, mlp_groups = {}, {}, {}
+    for label, model in _models(run):
+        caps, batch = collect(model, batches, STREAMS + ATTN_OUT)
+        mask = batch["attention_mask"].bool()
+        split = split_sequences(mask.shape[0], seed=run.config.seed)
+        targets = _probe_targets(batch, mask, opts.targets)
+        streams = [n for n in by_depth(caps) if ".attn_out" not in n]
+        entry: dict = {"ridge": {}, "mlp": {}, "classification": {}}
+        for target, y in targets.items():
+            entry["ridge"][target] = {}
+            for name in streams:
+                if not valid_targets(y, mask)[split.test].any():
+                    raise DataError(f"probe target '{target}' has no labelled token in the test sequences; "
+                                    "analyse more sequences")
+                r2 = ridge_probe(caps[name], y, mask, split)["r2"][0]
+                entry["ridge"][target][name] = r2
+                key = f"{label} {target} {stream_of(name)}"
+                ridge_series.setdefault(key, ([], []))
+                ridge_series[key][0].append(layer_of(name))
+                ridge_series[key][1].append(r2)
+        whole = [n for n in streams if stream_of(n) == "resid" and not n.startswith("embed")]
+        attn = [n for n in by_depth(caps) if stream_of(n) == "resid" and ".attn_out" in n]
+        features = {"cosine": torch.cat([cosine_features(caps[n], causal=run.causal) for n in whole], -1),
+                    "variance": torch.cat([variance_features(caps[n]) for n in attn], -1)}
+        for kind, x in features.items():
+            entry["mlp"][kind] = mlp_probe(x, targets.get("position", absolute_positions(mask)), mask, split,
+                                           steps=opts.probe_steps, seed=run.config.seed)
+        mlp_groups[label] = {f"{k} R": v["pearson_r"] for k, v in entry["mlp"].items()}
+        mlp_groups[label].update({f"{k} NRMSE": v["nrmse"] for k, v in entry["mlp"].items()})
+        task = _task_targets(batch["labels"], run.causal)
+        classes = torch.unique(task[valid_targets(task, mask)]).numel()
+        if 2 <= classes <= opts.max_classes:
+            for name in streams:
+                result = classification_probe(caps[name], task, mask, split, steps=opts.probe_steps,
+                                              seed=run.config.seed)
+                entry["classification"][name] = result
+                key = f"{label} {stream_of(name)}"
+                class_series.setdefault(key, ([], []))
+                class_series[key][0].append(layer_of(name))
+                class_series[key][1].append(result["accuracy"])
+        else:
+            entry["classification"] = {"skipped": f"task labels have {classes} classes (probed: 2..{opts.max_classes})"}
+        data["models"][label] = entry
+    figures = [plots.lines(run.out_dir / "probes_ridge.png", ridge_series, f"Linear probes, test R^2 ({run.name})",
+                           "layer (0 = embeddings)", "R^2"),
+               plots.bars(run.out_dir / "probes_mlp.png", mlp_groups, "4-layer MLP probe of position", "value")]
+    if class_series:
+        figures.append(plots.lines(run.out_dir / "probes_classification.png", class_series,
+                                   f"Task-label classification probes ({run.name})", "layer (0 = embeddings)",
+                                   "accuracy"))
+    return _finish(run, "probes", data, figures)
+
+
+# ------------------------------------------------------------------------------------------------ spectra
+
+def ap_table(model: nn.Module) -> torch.Tensor | None:
+    """The learned absolute-position table (positions, d) of a model, or None: a model's own
+    ``ap_table()`` (DSTG), else the 2-D weight of its input positional module (learned absolute)."""
+    if callable(getattr(model, "ap_table", None)):
+        return model.ap_table()
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, InputPositional) and isinstance(weight, nn.Parameter) and weight.dim() == 2:
+            return weight
+    return None
+
+
+def spectra(run: Run, opts: Options) -> dict:
+    """PCA and DCT-II spectra of the learned AP table over the positions training reached."""
+    tables = {label: ap_table(model) for label, model in _models(run)}
+    if tables["trained"] is None:
+        raise ConfigError(f"spectra needs a learned absolute-position table; the model of {run.dir} has none "
+                          "(use a run with positional 'learned' or arch 'dstg' with d_ap > 0)")
+    rows = min(int(training_tokens(run.config)), tables["trained"].shape[0])
+    data: dict = {"run": str(run.dir), "positions": rows, "models": {}}
+    for label, table in tables.items():
+        data["models"][label] = spectrum_summary(table.detach()[:rows].cpu())
+    trained = data["models"]["trained"]
+    k = min(16, len(trained["explained_variance_ratio"]))
+    series = {label: (list(range(1, k + 1)), m["explained_variance_ratio"][:k]) for label, m in data["models"].items()}
+    bins = min(32, rows)
+    figures = [
+        plots.lines(run.out_dir / "spectra_pca.png", series, f"AP table PCA ({run.name})", "component",
+                    "explained variance ratio"),
+        plots.heatmap(run.out_dir / "spectra_dct.png", [p[:bins] for p in trained["dct_power"]],
+                      "DCT-II power of the top principal components", "DCT bin", "component",
+                      yticklabels=[f"PC{i + 1}" for i in range(len(trained["dct_power"]))]),
+    ]
+    return _finish(run, "spectra", data, figures)
+
+
+# -------------------------------------------------------------------------------------------------- heads
+
+def heads(run: Run, opts: Options) -> dict:
+    """Per head, the share of within-row logit variance from each additive term, and a label."""
+    batches = run.batches(opts.sequences, opts.batch_size, opts.split)
+    sums: dict[int, dict[str, torch.Tensor]] = {}
+    rows: dict[int, torch.Tensor] = {}
+    for batch, cache in iterate_captures(run.model, batches, "blocks.*.attn.logits.*"):
+        n = batch["input_ids"].shape[1]
+        allowed = allowed_keys(n, run.causal, batch.get("attention_mask"))
+        for layer in sorted({layer_of(name) - 1 for name in cache}):
+            prefix = f"blocks.{layer}.attn.logits."
+            terms = {name[len(prefix):]: cache[name].cpu() for name in cache if name.startswith(prefix)}
+            s, r = term_variances(terms, allowed)
+            acc = sums.setdefault(layer, {t: 0 for t in terms})
+            for term, value in zip(terms, s):
+                acc[term] = acc[term] + value
+            rows[layer] = rows.get(layer, 0) + r
+    if not sums:
+        raise ConfigError(f"heads needs attention logit terms, and the model of {run.dir} records none")
+    names = list(next(iter(sums.values())))
+    if len(names) < 2:
+        raise ConfigError(f"heads compares additive logit terms, but this model has only '{names[0]}' "
+                          "(models with positional t5 or alibi add 'bias'; arch dstg has ap/sem/rp)")
+    layers = sorted(sums)
+    shares = torch.stack([variance_shares(torch.stack([sums[i][t] for t in names])) for i in layers])  # (L, T, H)
+    labels = [label_heads(shares[i], names, opts.threshold) for i in range(len(layers))]
+    data = {"run": str(run.dir), "terms": names, "threshold": opts.threshold,
+            "rule": "label = the term with the largest share of within-row logit variance when >= threshold, "
+                    "else 'mixed' (ap->structure, sem->semantic, rp/bias->relative, content->content)",
+            "layers": {f"blocks.{i}": {"shares": {t: shares[j, k].tolist() for k, t in enumerate(names)},
+                                       "mean_variance": {t: (sums[i][t] / rows[i].clamp(min=1)).tolist()
+                                                         for t in names},
+                                       "labels": labels[j]} for j, i in enumerate(layers)},
+            "counts": {lab: sum(row.count(lab) for row in labels) for lab in sorted({x for r in labels for x in r})}}
+    heads_n = shares.shape[-1]
+    figures = [plots.heatmap(run.out_dir / f"heads_{t}.png", shares[:, k].tolist(), f"share of logit variance: {t}",
+                             "head", "layer", yticklabels=[str(i) for i in layers],
+                             xticklabels=[str(h) for h in range(heads_n)], vmin=0, vmax=1,
+                             annotations=[[lab[0].upper() for lab in row] for row in labels])
+               for k, t in enumerate(names)]
+    return _finish(run, "heads", data, figures)
+
+
+# -------------------------------------------------------------------------------------------- frequencies
+
+def frequencies(run: Run, opts: Options) -> dict:
+    """Layer x frequency heatmaps of mean q and k norms per frequency."""
+    batches = run.batches(opts.sequences, opts.batch_size, opts.split)
+    totals: dict[str, torch.Tensor] = {}
+    counts: dict[str, float] = {}
+    for batch, cache in iterate_captures(run.model, batches, "blocks.*.attn.freq_norms.*"):
+        for name, norms in cache.items():
+            total, count = frequency_sums(norms.cpu(), batch.get("attention_mask"))
+            totals[name] = totals.get(name, 0) + total
+            counts[name] = counts.get(name, 0.0) + count
+    if not totals:
+        raise ConfigError(f"frequencies needs a positional scheme with rotary frequencies (rope, pope); the model "
+                          f"of {run.dir} reports none")
+    layers = sorted({layer_of(n) - 1 for n in totals})
+    mean = {w: torch.stack([totals[f"blocks.{i}.attn.freq_norms.{w}"] / counts[f"blocks.{i}.attn.freq_norms.{w}"]
+                            for i in layers]) for w in ("q", "k")}
+    data = {"run": str(run.dir), "layers": layers, "q": mean["q"].tolist(), "k": mean["k"].tolist(),
+            "summary": usage_summary(mean["q"], mean["k"])}
+    figures = [plots.heatmap(run.out_dir / f"frequencies_{w}.png", mean[w].tolist(),
+                             f"mean {w} norm per frequency ({run.name})", "frequency index (fastest first)", "layer",
+                             yticklabels=[str(i) for i in layers]) for w in ("q", "k")]
+    return _finish(run, "frequencies", data, figures)
+
+
+# ------------------------------------------------------------------------------------------ extrapolation
+
+def extrapolation(run: Run, opts: Options) -> dict:
+    """Loss and accuracy against evaluation length for this run and --compare runs; RoPE runs also with
+    linear / NTK / YaRN scaling at evaluation."""
+    runs = [run] + [Run.load(path, opts.checkpoint, opts.device) for path in opts.compare]
+    data: dict = {"factors": list(opts.factors), "runs": {}}
+    loss, acc = {}, {}
+    for r in runs:
+        base = training_length(r.config)
+        lengths = [max(1, round(f * base)) for f in opts.factors]
+        curves = {"none": evaluate_lengths(r.config, r.model, lengths, opts.sequences, opts.batch_size)}
+        if r.config.model.to_dict().get("positional", {}).get("name") == "rope":
+            for scaling in opts.scalings:
+                curves[scaling] = rope_scaled_lengths(r.config, r.model, lengths, scaling, opts.sequences,
+                                                      opts.batch_size)
+        data["runs"][r.name] = {"dir": str(r.dir), "training_length": base, "curves": curves}
+        for scaling, records in curves.items():
+            key = r.name if scaling == "none" else f"{r.name} +{scaling}"
+            x = [rec["factor"] for rec in records]
+            loss[key] = (x, [rec.get("loss") for rec in records])
+            metric = "exact_match" if any("exact_match" in rec for rec in records) else "token_accuracy"
+            acc[key] = (x, [rec.get(metric) for rec in records])
+    figures = [plots.lines(run.out_dir / "extrapolation_loss.png", loss, "Loss against evaluation length",
+                           "evaluation length / training length", "loss"),
+               plots.lines(run.out_dir / "extrapolation_accuracy.png", acc, "Accuracy against evaluation length",
+                           "evaluation length / training length", "accuracy (exact match for tasks)")]
+    return _finish(run, "extrapolation", data, figures)
+
+
+ANALYSES: dict[str, Callable[[Run, Options], dict]] = {
+    "adjacency": adjacency,
+    "variance": variance,
+    "probes": probes,
+    "spectra": spectra,
+    "heads": heads,
+    "frequencies": frequencies,
+    "extrapolation": extrapolation,
+}

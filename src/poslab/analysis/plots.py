@@ -1,0 +1,124 @@
+"""Figures and number files, written next to a run: DIR/analysis/<kind>.json and <kind>*.png.
+
+matplotlib runs on the Agg backend (no display). Every file is written to a temporary sibling and
+renamed into place, so a crash never leaves half a figure or half a JSON behind.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+
+
+def _atomic(path: Path, write) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def _clean(value: Any) -> Any:
+    """JSON cannot hold NaN or infinity: they become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def write_json(path: Path, data: dict) -> Path:
+    text = json.dumps(_clean(data), indent=2, allow_nan=False)
+    return _atomic(Path(path), lambda tmp: Path(tmp).write_text(text + "\n"))
+
+
+def save_figure(fig, path: Path) -> Path:
+    out = _atomic(Path(path), lambda tmp: fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png"))
+    plt.close(fig)
+    return out
+
+
+def lines(path: Path, series: dict[str, tuple[list, list]], title: str, xlabel: str, ylabel: str,
+          logx: bool = False, hline: float | None = None) -> Path:
+    """One line per named (x, y) series."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, (x, y) in series.items():
+        ax.plot(x, [math.nan if v is None else v for v in y], marker="o", markersize=3, label=name)
+    if hline is not None:
+        ax.axhline(hline, color="grey", linestyle=":", linewidth=1)
+    if logx:
+        ax.set_xscale("log")
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    if len(series) > 1:
+        ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return save_figure(fig, path)
+
+
+def heatmap(path: Path, values, title: str, xlabel: str, ylabel: str, yticklabels: list[str] | None = None,
+            xticklabels: list[str] | None = None, cmap: str = "viridis", vmin=None, vmax=None,
+            annotations: list[list[str]] | None = None) -> Path:
+    """values (rows, cols) as an image, row 0 on top."""
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.35 * len(values[0]) + 2), max(3.0, 0.35 * len(values) + 1.5)))
+    im = ax.imshow(values, aspect="auto", cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest")
+    fig.colorbar(im, ax=ax)
+    if yticklabels is not None:
+        ax.set_yticks(range(len(yticklabels)), yticklabels, fontsize=7)
+    if xticklabels is not None:
+        ax.set_xticks(range(len(xticklabels)), xticklabels, fontsize=7, rotation=90)
+    if annotations is not None:
+        for i, row in enumerate(annotations):
+            for j, text in enumerate(row):
+                ax.text(j, i, text, ha="center", va="center", fontsize=6, color="white")
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    return save_figure(fig, path)
+
+
+def matrices(path: Path, mats: dict[str, Any], title: str, vmin: float = -1.0, vmax: float = 1.0) -> Path:
+    """Square matrices side by side (e.g. cosine self-similarity per layer)."""
+    k = len(mats)
+    cols = min(k, 4)
+    rows = math.ceil(k / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows), squeeze=False)
+    for ax, (name, m) in zip(axes.flat, mats.items()):
+        im = ax.imshow(m, cmap="magma", vmin=vmin, vmax=vmax, interpolation="nearest")
+        ax.set_title(name, fontsize=8)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    for ax in list(axes.flat)[k:]:
+        ax.axis("off")
+    fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8)
+    fig.suptitle(title)
+    return save_figure(fig, path)
+
+
+def bars(path: Path, groups: dict[str, dict[str, float]], title: str, ylabel: str) -> Path:
+    """Grouped bars: one group per outer key, one bar per inner key."""
+    names = list(groups)
+    inner = list(dict.fromkeys(k for g in groups.values() for k in g))
+    width = 0.8 / max(1, len(inner))
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.2 * len(names) + 2), 4.0))
+    for j, key in enumerate(inner):
+        values = [groups[n].get(key) for n in names]
+        ax.bar([i + (j - (len(inner) - 1) / 2) * width for i in range(len(names))],
+               [math.nan if v is None else v for v in values], width, label=key)
+    ax.set_xticks(range(len(names)), names, fontsize=8)
+    ax.set(title=title, ylabel=ylabel)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    return save_figure(fig, path)

@@ -1,0 +1,80 @@
+"""A trained run as analysis sees it: its config, its model, a random-initialised twin, its data.
+
+Analysis reads run directories written by ``poslab train`` (DIR/config.yaml, DIR/checkpoints/{best,last})
+and never reaches into the trainer; it writes only under DIR/analysis/.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from poslab.analysis.capture import take_batches
+from poslab.errors import CheckpointError
+from poslab.models import build_model
+from poslab.train.config import RunConfig
+from poslab.train.trainer import load_run
+
+ANALYSIS_DIR = "analysis"
+
+
+@dataclass
+class Run:
+    dir: Path
+    config: RunConfig
+    model: torch.nn.Module
+
+    @classmethod
+    def load(cls, path: str | Path, checkpoint: str | None = None, device: str = "cpu") -> Run:
+        """checkpoint: 'best' or 'last' (default: best if there is one)."""
+        path = Path(path)
+        if not path.is_dir():
+            raise CheckpointError(f"run directory {path} does not exist; pass the --out directory of `poslab train`")
+        config, model = load_run(path, checkpoint)
+        return cls(path, config, model.to(device).eval())
+
+    @property
+    def name(self) -> str:
+        return self.dir.resolve().name
+
+    @property
+    def causal(self) -> bool:
+        return bool(getattr(self.model.config, "is_decoder", False))
+
+    @property
+    def out_dir(self) -> Path:
+        return self.dir / ANALYSIS_DIR
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def control(self) -> torch.nn.Module:
+        """The same architecture freshly initialised (seeded by the run's seed): the baseline that tells
+        what a measurement owes to training and what to the architecture alone."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.config.seed)
+            return build_model(self.config.model).to(self.device).eval()
+
+    def batches(self, sequences: int, batch_size: int, split: str | None = None) -> list[dict[str, torch.Tensor]]:
+        """The first ``sequences`` sequences of an evaluation split (default: the one training evaluated on)."""
+        source = self.config.data.build(self.config.seed)
+        return take_batches(source.eval_batches(split or self.config.train.eval_split, batch_size), sequences)
+
+
+def layer_of(name: str) -> int:
+    """Depth of a captured stream: 0 for ``embed*``, i + 1 for ``blocks.{i}.*``, a large number for ``final``."""
+    m = re.match(r"blocks\.(\d+)\.", name)
+    return int(m.group(1)) + 1 if m else (0 if name.startswith("embed") else 10**6)
+
+
+def stream_of(name: str) -> str:
+    """'resid' for a whole residual stream; the DSTG stream ('ap', 'sem') for ``<name>.ap`` / ``<name>.sem``."""
+    tail = name.rsplit(".", 1)[-1]
+    return tail if tail in ("ap", "sem") else "resid"
+
+
+def by_depth(names) -> list[str]:
+    return sorted(names, key=lambda n: (layer_of(n), n))
