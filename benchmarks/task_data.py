@@ -68,8 +68,9 @@ def main() -> None:
         med = {k: statistics.median(v) for k, v in times.items()}
         width = fresh.train_batch(0, args.batch)["input_ids"].shape[1]
         worst = max(worst, med["fresh"] / med["step"], med["pool"] / med["step"])
-        print(f"{name:<18} {width:>4} {med['step'] * 1e3:>8.1f} {med['fresh'] * 1e3:>9.3f} "
-              f"{100 * med['fresh'] / med['step']:>7.2f}% {med['pool'] * 1e3:>8.3f} {100 * med['pool'] / med['step']:>6.2f}%")
+        fresh_pct, pool_pct = (100 * med[k] / med["step"] for k in ("fresh", "pool"))
+        print(f"{name:<18} {width:>4} {med['step'] * 1e3:>8.1f} {med['fresh'] * 1e3:>9.3f} {fresh_pct:>7.2f}% "
+              f"{med['pool'] * 1e3:>8.3f} {pool_pct:>6.2f}%")
     print(f"worst data / step: {100 * worst:.2f}% (target < 5%)")
 
 

@@ -276,7 +276,9 @@ def test_tokenizer_round_trip_and_file(tmp_path):
     assert (tok.pad_id, tok.bos_id, tok.eos_id) == (0, 1, 2) and tok.vocab_size == 3 + 52 + 14
     text = "NZTUIGWkXFrhCJDzscat, N, +4, I"
     assert tok.decode(tok.encode(text)) == text
-    assert tok.decode([tok.bos_id, *tok.encode("ab"), tok.eos_id, tok.pad_id], skip_special=False) == "<bos>ab<eos><pad>"
+    with_specials = [tok.bos_id, *tok.encode("ab"), tok.eos_id, tok.pad_id]
+    assert tok.decode(with_specials, skip_special=False) == "<bos>ab<eos><pad>"
+    assert tok.decode(with_specials) == "ab"
     codes = np.frombuffer(text.encode(), dtype=np.uint8)
     assert tok.ids_of_codes(codes).tolist() == tok.encode(text)
     path = tmp_path / "tokenizer.json"
@@ -325,7 +327,7 @@ def test_bad_options_are_rejected_with_a_clear_message(name, options, message):
 
 def test_bad_batch_requests_are_rejected():
     source = build_batch_source(0, "addition", train_size=None, **SMALL)
-    with pytest.raises(ConfigError, match=r"global batch_size \(10\) must be divisible by the number of processes \(4\)"):
+    with pytest.raises(ConfigError, match=r"batch_size \(10\) must be divisible by the number of processes \(4\)"):
         source.train_batch(0, 10, 0, 4)
     with pytest.raises(ConfigError, match="0 <= rank < world_size"):
         source.train_batch(0, 8, 2, 2)
