@@ -10,6 +10,14 @@ from poslab.analysis.spectra import dct_power, pca, spectrum_summary
 from poslab.analysis.variance import position_variance, variance_profile, variance_trend
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small tensors on shared cores: a second thread only adds OpenMP spinning
+    yield
+    torch.set_num_threads(threads)
+
+
 def test_variance_profile_of_causal_means_shrinks():
     torch.manual_seed(0)
     x = torch.randn(64, 40, 128)

@@ -13,6 +13,14 @@ from poslab.functional import adjacency_score as functional_adjacency
 from poslab.functional import cosine_self_similarity as functional_cosine
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small tensors on shared cores: a second thread only adds OpenMP spinning
+    yield
+    torch.set_num_threads(threads)
+
+
 def same(a, b):
     return torch.equal(torch.isnan(a), torch.isnan(b)) and torch.allclose(a.nan_to_num(0), b.nan_to_num(0), atol=1e-12)
 
@@ -71,7 +79,7 @@ def test_matches_brute_force_on_random_and_tied_matrices(n):
         assert same(adjacency_row_scores(sim), adjacency_row_scores_reference(sim))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(batch=st.lists(st.integers(1, 3), min_size=0, max_size=2), n=st.integers(3, 24),
        levels=st.integers(1, 6), seed=st.integers(0, 2**16))
 def test_batched_matrices_match_brute_force(batch, n, levels, seed):

@@ -74,7 +74,7 @@ def adjacency(run: Run, opts: Options) -> dict:
     data: dict = {"run": str(run.dir), "causal": run.causal, "models": {}}
     series, mats = {}, {}
     for label, model in _models(run):
-        caps, batch = collect(model, batches, STREAMS)
+        caps, batch = collect(model, batches, STREAMS + ATTN_OUT)
         mask = batch["attention_mask"].bool()
         scores = {}
         for name in by_depth(caps):
@@ -153,7 +153,7 @@ def probes(run: Run, opts: Options) -> dict:
         mask = batch["attention_mask"].bool()
         split = split_sequences(mask.shape[0], seed=run.config.seed)
         targets = _probe_targets(batch, mask, opts.targets)
-        streams = [n for n in by_depth(caps) if ".attn_out" not in n]
+        streams = [n for n in by_depth(caps) if not stream_of(n).startswith("attn_out")]
         entry: dict = {"ridge": {}, "mlp": {}, "classification": {}}
         for target, y in targets.items():
             entry["ridge"][target] = {}
@@ -168,7 +168,7 @@ def probes(run: Run, opts: Options) -> dict:
                 ridge_series[key][0].append(layer_of(name))
                 ridge_series[key][1].append(r2)
         whole = [n for n in streams if stream_of(n) == "resid" and not n.startswith("embed")]
-        attn = [n for n in by_depth(caps) if stream_of(n) == "resid" and ".attn_out" in n]
+        attn = [n for n in by_depth(caps) if stream_of(n) == "attn_out"]
         features = {"cosine": torch.cat([cosine_features(caps[n], causal=run.causal) for n in whole], -1),
                     "variance": torch.cat([variance_features(caps[n]) for n in attn], -1)}
         for kind, x in features.items():

@@ -71,9 +71,11 @@ def layer_of(name: str) -> int:
 
 
 def stream_of(name: str) -> str:
-    """'resid' for a whole residual stream; the DSTG stream ('ap', 'sem') for ``<name>.ap`` / ``<name>.sem``."""
+    """Which stream a captured name holds: 'resid' (embeddings and residual states) or 'attn_out', with
+    the DSTG stream appended for ``<name>.ap`` / ``<name>.sem`` ('resid.ap', 'attn_out.sem')."""
+    base = "attn_out" if ".attn_out" in name else "resid"
     tail = name.rsplit(".", 1)[-1]
-    return tail if tail in ("ap", "sem") else "resid"
+    return f"{base}.{tail}" if tail in ("ap", "sem") else base
 
 
 def by_depth(names) -> list[str]:

@@ -1,0 +1,198 @@
+"""Analysis on real (tiny) run directories: capture, every KIND end to end, bad input, RoPE scaling."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+import yaml
+
+from poslab.analysis import cli
+from poslab.analysis.capture import collect, run_with_cache
+from poslab.analysis.commands import Options, ap_table
+from poslab.analysis.extrapolation import evaluate_lengths, with_rope_scaling
+from poslab.analysis.runs import Run, by_depth, layer_of, stream_of
+from poslab.analysis.similarity import sequence_adjacency
+from poslab.errors import CheckpointError, ConfigError, DataError, PoslabError
+from poslab.models import build_model
+from poslab.train import RunConfig, train
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models on shared cores: a second thread only adds OpenMP spinning
+    yield
+    torch.set_num_threads(threads)
+
+
+def config(positional: str, arch: str = "decoder") -> dict:
+    return {
+        "seed": 0,
+        "model": {"arch": arch, "vocab_size": None, "d_model": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": 24,
+                  "positional": {"name": positional}},
+        "data": {"kind": "task", "name": "addition", "min_len": 3, "max_len": 5, "validation_size": 32,
+                 "test_size": 16},
+        "train": {"steps": 3, "batch_size": 8, "lr": 1e-2, "warmup_steps": 1, "log_every": 10},
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    for name in ("rope", "learned", "t5"):
+        train(RunConfig.from_dict(config(name)), root / name)
+    torch.set_num_threads(threads)
+    return root
+
+
+def analyze(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    args = parser.parse_args(["analyze", *argv])
+    return args.func(args)
+
+
+# ---- capture ---------------------------------------------------------------------------------------------
+
+def test_run_with_cache_selects_by_glob_and_leaves_the_output_unchanged():
+    model = build_model({"arch": "decoder", "vocab_size": 11, "d_model": 16, "n_layers": 3, "n_heads": 2,
+                         "positional": {"name": "rope"}}).eval()
+    ids = torch.randint(0, 11, (2, 7))
+    out, cache = run_with_cache(model, ids, "blocks.*.resid_post")
+    assert sorted(cache.keys()) == [f"blocks.{i}.resid_post" for i in range(3)]
+    assert cache["blocks.2.resid_post"].shape == (2, 7, 16)
+    assert torch.allclose(out.logits, model(ids).logits, atol=1e-6)
+    _, probs = run_with_cache(model, ids, ["blocks.0.attn.probs", "embed"])
+    assert set(probs.keys()) == {"blocks.0.attn.probs", "embed"}
+    assert torch.allclose(probs["blocks.0.attn.probs"].sum(-1), torch.ones(2, 2, 7))
+
+
+def test_collect_pads_batches_of_different_widths():
+    model = build_model({"arch": "decoder", "vocab_size": 11, "d_model": 16, "n_layers": 1, "n_heads": 2,
+                         "positional": {"name": "nope"}}).eval()
+    batches = [{"input_ids": torch.randint(0, 11, (2, 5)), "labels": torch.full((2, 5), 3)},
+               {"input_ids": torch.randint(0, 11, (3, 8)), "labels": torch.full((3, 8), 4)}]
+    caps, batch = collect(model, batches, "embed")
+    assert caps["embed"].shape == (5, 8, 16)
+    assert batch["attention_mask"].sum().item() == 2 * 5 + 3 * 8
+    assert batch["labels"][0, 5:].tolist() == [-100] * 3
+
+
+def test_stream_names_order_by_depth():
+    names = ["final", "blocks.10.resid_post", "blocks.2.resid_post.ap", "embed.sem", "blocks.2.attn_out"]
+    assert by_depth(names)[:2] == ["embed.sem", "blocks.2.attn_out"] and by_depth(names)[-1] == "final"
+    assert [layer_of(n) for n in ("embed", "blocks.0.resid_post", "blocks.10.attn_out")] == [0, 1, 11]
+    assert [stream_of(n) for n in ("embed", "blocks.2.resid_post.ap", "blocks.1.attn_out.sem")] == \
+        ["resid", "resid.ap", "attn_out.sem"]
+
+
+def test_nope_adjacency_appears_after_the_first_causal_layer_but_not_bidirectionally():
+    # The paper's mechanism at initialisation (width 384, N(0, 0.02)): causal mixing makes neighbours similar.
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (4, 32))
+    scores = {}
+    for arch in ("decoder", "encoder"):
+        model = build_model({"arch": arch, "vocab_size": 50, "d_model": 384, "n_layers": 1, "n_heads": 6,
+                             "positional": {"name": "nope"}}).eval()
+        _, cache = run_with_cache(model, ids, ["embed", "blocks.0.resid_post"])
+        scores[arch] = {k: sequence_adjacency(v).mean().item() for k, v in cache.items()}
+    assert abs(scores["decoder"]["embed"] - 0.5) < 0.05
+    assert scores["decoder"]["blocks.0.resid_post"] > 0.8
+    assert abs(scores["encoder"]["blocks.0.resid_post"] - 0.5) < 0.1
+
+
+def test_dstg_streams_and_ap_table_are_reachable():
+    model = build_model({"arch": "dstg", "vocab_size": 30, "n_layers": 2, "n_heads": 2, "d_ap": 8, "d_sem": 24,
+                         "max_seq_len": 16}).eval()
+    _, cache = run_with_cache(model, torch.randint(0, 30, (2, 9)), ["blocks.*.resid_post*", "blocks.*.attn.logits.*"])
+    assert cache["blocks.1.resid_post.ap"].shape == (2, 9, 8) and cache["blocks.1.resid_post.sem"].shape == (2, 9, 24)
+    assert {k.rsplit(".", 1)[-1] for k in cache if ".logits." in k} == {"ap", "sem", "rp"}
+    assert ap_table(model).shape[1] == 8
+
+
+# ---- every KIND on a run ----------------------------------------------------------------------------------
+
+def test_adjacency_variance_probes_write_json_and_figures(runs):
+    rope = runs / "rope"
+    for kind, extra in (("adjacency", []), ("variance", []), ("probes", ["--probe-steps", "30"])):
+        assert analyze(kind, "--run", str(rope), "--sequences", "24", *extra) == 0
+        data = json.loads((rope / "analysis" / f"{kind}.json").read_text())
+        assert set(data["models"]) == {"trained", "init"}
+        for fig in data["figures"]:
+            assert (rope / "analysis" / fig).read_bytes()[:4] == b"\x89PNG"
+    adj = json.loads((rope / "analysis" / "adjacency.json").read_text())["models"]["init"]
+    assert {"embed", "blocks.0.resid_post", "blocks.1.attn_out"} <= set(adj)
+    assert all(0 <= v["mean"] <= 1 and v["sequences"] == 24 for v in adj.values())
+    probes = json.loads((rope / "analysis" / "probes.json").read_text())["models"]["trained"]
+    assert set(probes["ridge"]["position"]) == {"embed", "blocks.0.resid_post", "blocks.1.resid_post"}
+    assert set(probes["mlp"]) == {"cosine", "variance"} and "embed" in probes["classification"]
+    assert not list((rope / "analysis").glob(".*"))  # no temporary files left behind
+
+
+def test_spectra_heads_frequencies_where_they_apply(runs):
+    assert analyze("spectra", "--run", str(runs / "learned")) == 0
+    spectra = json.loads((runs / "learned" / "analysis" / "spectra.json").read_text())
+    assert spectra["positions"] <= 24 and len(spectra["models"]["trained"]["dct_power"]) == 4
+    assert analyze("heads", "--run", str(runs / "t5"), "--sequences", "16") == 0
+    heads = json.loads((runs / "t5" / "analysis" / "heads.json").read_text())
+    assert heads["terms"] == ["content", "bias"] and len(heads["layers"]["blocks.1"]["labels"]) == 2
+    assert analyze("frequencies", "--run", str(runs / "rope"), "--sequences", "16") == 0
+    freq = json.loads((runs / "rope" / "analysis" / "frequencies.json").read_text())
+    assert len(freq["q"]) == 2 and len(freq["q"][0]) == 8  # 2 layers x head_dim / 2 rotary chunks
+
+
+def test_extrapolation_several_runs_with_rope_scalings(runs):
+    assert analyze("extrapolation", "--run", str(runs / "rope"), "--compare", str(runs / "learned"),
+                   "--sequences", "16", "--factors", "1", "2", "8") == 0
+    data = json.loads((runs / "rope" / "analysis" / "extrapolation.json").read_text())["runs"]
+    assert set(data["rope"]["curves"]) == {"none", "linear", "ntk", "yarn"} and set(data["learned"]["curves"]) == {"none"}
+    assert all("loss" in rec for rec in data["rope"]["curves"]["yarn"])
+    # Length 8x needs positions past the learned table (max_seq_len 24): recorded, not a crash.
+    assert "error" in data["learned"]["curves"]["none"][-1] and "loss" in data["learned"]["curves"]["none"][0]
+
+
+def test_rope_scaling_is_the_identity_at_factor_one_and_changes_longer_inputs(runs):
+    run = Run.load(runs / "rope")
+    ids = torch.randint(0, 10, (2, 40))
+    base = run.model(ids).logits
+    same = with_rope_scaling(run.config, run.model, "linear", 1.0, 24)(ids).logits
+    scaled = with_rope_scaling(run.config, run.model, "linear", 4.0, 24)(ids).logits
+    assert torch.allclose(base, same, atol=1e-5) and not torch.allclose(base, scaled, atol=1e-3)
+    with pytest.raises(ConfigError, match="rope models"):
+        with_rope_scaling(Run.load(runs / "learned").config, run.model, "yarn", 2.0, 24)
+    assert evaluate_lengths(run.config, run.model, [5], sequences=8, batch_size=8)[0]["factor"] == 1.0
+
+
+# ---- bad input: one clear line ------------------------------------------------------------------------------
+
+def _one_line(err: PoslabError) -> str:
+    text = str(err)
+    assert "\n" not in text and text
+    return text
+
+
+def test_bad_input_errors(runs, tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        analyze("adjacency", "--run", str(tmp_path / "nowhere"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.yaml").write_text((runs / "rope" / "config.yaml").read_text())
+    with pytest.raises(CheckpointError, match="no checkpoint") as err:
+        analyze("adjacency", "--run", str(empty))
+    _one_line(err.value)
+    cases = [(("spectra", "--run", str(runs / "rope")), ConfigError, "absolute-position table"),
+             (("frequencies", "--run", str(runs / "learned"), "--sequences", "8"), ConfigError, "rotary frequencies"),
+             (("heads", "--run", str(runs / "rope"), "--sequences", "8"), ConfigError, "only 'content'"),
+             (("probes", "--run", str(runs / "rope"), "--sequences", "2"), DataError, "too few sequences"),
+             (("adjacncy", "--run", str(runs / "rope")), ConfigError, "did you mean 'adjacency'"),
+             (("probes", "--run", str(runs / "rope"), "--targets", "sentence_index"), ConfigError, "offers: position"),
+             (("adjacency", "--run", str(runs / "rope"), "--sequences", "0"), ConfigError, "--sequences")]
+    for argv, kind, message in cases:
+        with pytest.raises(kind, match=message) as err:
+            analyze(*argv)
+        _one_line(err.value)
+    assert not (runs / "rope" / "analysis" / "spectra.json").exists()
