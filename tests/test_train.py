@@ -357,6 +357,23 @@ def test_example_task_configs_are_valid_and_train(tmp_path, name):
     assert math.isfinite(final["train_loss"]) and 0 <= final["eval_exact_match"] <= 1
 
 
+def test_dstg_masked_lm_run_on_a_text_source(tmp_path):
+    raw = {"seed": 0,
+           "model": {"arch": "dstg", "vocab_size": None, "n_layers": 1, "n_heads": 2, "d_ap": 8, "d_sem": 24,
+                     "max_seq_len": 32},
+           "data": {"kind": "mlm", "source": {"type": "synthetic", "documents": 40, "seed": 0},
+                    "tokenizer": {"type": "wordpiece", "vocab_size": 200, "train_documents": 40},
+                    "validation_documents": 4, "seq_len": 32, "masking": {"style": "neobert"},
+                    "cache_dir": str(tmp_path / "cache")},
+           "train": {"steps": 2, "batch_size": 4, "warmup_steps": 0, "eval_batches": 2}}
+    config = RunConfig.from_dict(raw)
+    assert config.model.vocab_size == config.data.build(0).vocab_size and not config.model.causal
+    final = train(config, tmp_path / "run")
+    assert math.isfinite(final["train_loss"]) and final["eval_tokens"] > 0 and 0 <= final["eval_token_accuracy"] <= 1
+    _, model = load_run(tmp_path / "run")
+    assert type(model).__name__ == "DSTGNeoBertForMaskedLM"
+
+
 class _FixedSource:
     """A minimal BatchSource: two fixed evaluation batches."""
     vocab_size = 11

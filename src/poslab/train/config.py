@@ -3,7 +3,7 @@
 A run config has four sections::
 
     seed: 0
-    model: {arch: decoder, vocab_size: null, d_model: 128, ...}   # poslab.models.ModelConfig fields
+    model: {arch: decoder, vocab_size: null, d_model: 128, ...}   # ModelConfig (or DSTGConfig) fields
     data:  {kind: task, task: indirect_indexing, ...}              # kind + the source builder's keywords
     train: {steps: 2000, batch_size: 64, lr: 3.0e-4, ...}          # TrainConfig below
 
@@ -18,6 +18,7 @@ import dataclasses
 import importlib
 import inspect
 import math
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -29,6 +30,10 @@ import yaml
 from poslab.batches import SOURCES, BatchSource, build_batch_source
 from poslab.errors import ConfigError, require, unknown_key_message
 from poslab.models import ModelConfig
+from poslab.models.dstg_config import DSTGConfig
+
+# arch -> its typed model config (poslab.models.ARCHS names the builders of the same archs).
+MODEL_CONFIGS: dict[str, type] = {"decoder": ModelConfig, "encoder": ModelConfig, "dstg": DSTGConfig}
 
 PRECISIONS = ("auto", "fp32", "bf16")
 SCHEDULES = ("cosine", "constant")
@@ -123,7 +128,7 @@ class DataConfig:
 @dataclass
 class RunConfig:
     seed: int = 0
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig | DSTGConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
@@ -137,10 +142,19 @@ class RunConfig:
         data = DataConfig(kind=data_raw.pop("kind", DataConfig.kind), options=data_raw)
         train = _build_dataclass(TrainConfig, _mapping(raw.get("train", {}), "train"), "train")
         model_raw = dict(_mapping(raw.get("model", {}), "model"))
-        _reject_unknown(model_raw, [f.name for f in dataclasses.fields(ModelConfig)], "model key")
-        if model_raw.get("vocab_size") is None:
-            model_raw["vocab_size"] = data.build(seed).vocab_size
-        return cls(seed=seed, model=_build_dataclass(ModelConfig, model_raw, "model"), data=data, train=train)
+        arch = model_raw.get("arch", "decoder")
+        if arch not in MODEL_CONFIGS:
+            raise ConfigError(unknown_key_message("model.arch", str(arch), MODEL_CONFIGS))
+        model_cls = MODEL_CONFIGS[arch]
+        hints = typing.get_type_hints(model_cls)
+        # Known keys are converted here; the config's own from_dict names unknown ones (with its hints).
+        values = {k: _coerce(hints[k], v, f"model.{k}") if k in hints and v is not None else v
+                  for k, v in model_raw.items()}
+        if values.get("vocab_size") is None:
+            # Everything else is checked first: building the source may mean preparing a corpus.
+            model_cls.from_dict(values | {"vocab_size": sys.maxsize})
+            values["vocab_size"] = data.build(seed).vocab_size
+        return cls(seed=seed, model=model_cls.from_dict(values), data=data, train=train)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types only (lists for tuples), so ``yaml.safe_dump`` round-trips through ``from_dict``."""

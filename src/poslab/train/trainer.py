@@ -134,17 +134,19 @@ class Trainer:
     # ---- the loop ---------------------------------------------------------------------------------------
 
     def fit(self) -> dict[str, Any]:
-        """Train to train.steps. Returns step, train_loss (of the last step), tokens_per_s and seconds (of this
-        session), the final evaluation as eval_<metric>, and best_step / best_<metric>."""
+        """Train to train.steps. Returns step, train_loss (of the last step), seconds (this session's wall time),
+        tokens_per_s (over this session's training steps, evaluation and checkpoints excluded), the final
+        evaluation as eval_<metric>, and best_step / best_<metric>."""
         cfg, start_step, started = self.cfg, self.step, time.perf_counter()
         window = {"tokens": 0, "seconds": 0.0, "data_seconds": 0.0}
-        tokens_total, evaluated, saved = 0, None, None
+        tokens_total, step_seconds, evaluated, saved = 0, 0.0, None, None
         try:
             while self.step < cfg.steps:
                 record = self._train_step(self.step)
                 self.step += 1
                 self.last_loss = record["loss"]
                 tokens_total += record["tokens"]
+                step_seconds += record["seconds"]
                 for key in window:
                     window[key] += record[key]
                 if self.monitor is not None:
@@ -164,7 +166,7 @@ class Trainer:
                 self.monitor.close()
         seconds = time.perf_counter() - started
         out = {"step": self.step, "train_loss": self.last_loss, "seconds": seconds,
-               "tokens_per_s": tokens_total / seconds if tokens_total else math.nan}
+               "tokens_per_s": tokens_total / step_seconds if tokens_total else math.nan}
         out.update({f"eval_{k}": v for k, v in final[1].items()})
         if self.best is not None:
             out.update({"best_step": self.best["step"], f"best_{self.best['metric']}": self.best["value"]})
