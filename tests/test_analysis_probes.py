@@ -38,9 +38,8 @@ def test_ridge_matches_a_direct_regularised_solve():
     mask = torch.rand(S, n, generator=g) > 0.1
     split = split_sequences(S, seed=1)
     out = ridge_probe(x, y, mask, split, alphas=(1e-2,), chunk_tokens=50)  # small chunks: many accumulations
-    # The same fit done directly: standardise on the fit tokens, solve, score on test tokens.
-    fit = torch.cat([split.train, split.val])
-    X, Y = x[fit][mask[fit]].double(), y[fit][mask[fit]].double()
+    # The same fit done directly: standardise on the training tokens, solve, score on test tokens.
+    X, Y = x[split.train][mask[split.train]].double(), y[split.train][mask[split.train]].double()
     mu, sd = X.mean(0), X.std(0, unbiased=False)
     Z = (X - mu) / sd
     wz = torch.linalg.solve(Z.T @ Z + 1e-2 * len(Z) * torch.eye(d, dtype=torch.float64), Z.T @ (Y - Y.mean(0)))

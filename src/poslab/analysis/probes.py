@@ -7,10 +7,10 @@ split would let a probe memorise a sequence from its neighbours and score well w
 anything positional.
 
 Three probes:
-  ridge_probe           linear, closed form, R^2 on held-out sequences (DSTG's layer-wise probes). It
-                        streams the data once into sufficient statistics (counts, sums, X^T X, X^T y per
-                        split), so every regularisation strength, validation score and test score is
-                        d x d algebra afterwards; 10^6 tokens per layer cost one Gram matrix.
+  ridge_probe           linear, closed form, R^2 on held-out sequences (DSTG's layer-wise probes). One
+                        pass over the training tokens builds X^T X; every regularisation strength then
+                        comes from one eigendecomposition and is scored on validation sequences by
+                        prediction, so 10^6 tokens per layer cost one Gram matrix of the training part.
   mlp_probe             a 4-layer MLP regressor, NRMSE and Pearson R (the adjacency paper's probe).
   classification_probe  a linear (or deeper) softmax classifier, accuracy and macro-F1.
 
@@ -115,101 +115,90 @@ def variance_features(h: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------- ridge probe
 
-@dataclass
-class _Moments:
-    """Sufficient statistics of one split for linear least squares, in coordinates shifted by a constant c."""
-
-    n: float
-    sx: torch.Tensor  # (d,)   sum of x - c
-    sy: torch.Tensor  # (t,)   sum of y
-    syy: torch.Tensor  # (t,)  sum of y^2
-    xx: torch.Tensor  # (d, d) sum of (x - c)(x - c)^T
-    xy: torch.Tensor  # (d, t) sum of (x - c) y^T
+def _token_index(valid: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Flat indices (into x.view(-1, d)) of the valid tokens of sequences ``rows``, in order."""
+    seq, pos = valid[rows].nonzero(as_tuple=True)
+    return rows[seq] * valid.shape[1] + pos
 
 
-def _moments(x: torch.Tensor, y: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor, center: torch.Tensor,
-             chunk_tokens: int) -> _Moments:
-    """Accumulate the statistics of sequences ``rows`` chunk by chunk (float32 products, float64 sums)."""
+def _chunks(x: torch.Tensor, y: torch.Tensor, index: torch.Tensor, center: torch.Tensor, chunk_tokens: int):
+    """(x - center, y) for successive slices of the token index; x rows are gathered, never the whole split."""
+    flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+    for i in range(0, len(index), chunk_tokens):
+        idx = index[i:i + chunk_tokens]
+        yield flat_x.index_select(0, idx).float().sub_(center), flat_y.index_select(0, idx).double()
+
+
+def _fit_moments(x, y, index, center, chunk_tokens):
+    """Token count and sums of x, y, x x^T, x y^T over the training tokens (float32 products, float64 sums)."""
     d, t = x.shape[-1], y.shape[-1]
-    xx = torch.zeros(d, d, dtype=torch.float64)
-    xy = torch.zeros(d, t, dtype=torch.float64)
-    sx, sy, syy, count = torch.zeros(d, dtype=torch.float64), torch.zeros(t, dtype=torch.float64), \
-        torch.zeros(t, dtype=torch.float64), 0
-    step = max(1, chunk_tokens // max(1, x.shape[1]))
-    for i in range(0, len(rows), step):
-        idx = rows[i:i + step]
-        m = valid[idx]
-        xs = x[idx][m].float() - center
-        ys = y[idx][m].float()
+    xx, xy = torch.zeros(d, d, dtype=torch.float64), torch.zeros(d, t, dtype=torch.float64)
+    sx, sy = torch.zeros(d, dtype=torch.float64), torch.zeros(t, dtype=torch.float64)
+    for xs, ys in _chunks(x, y, index, center, chunk_tokens):
         xx += (xs.T @ xs).double()
-        xy += (xs.T @ ys).double()
-        sx += xs.double().sum(0)
-        sy += ys.double().sum(0)
-        syy += (ys.double() ** 2).sum(0)
-        count += xs.shape[0]
-    return _Moments(float(count), sx, sy, syy, xx, xy)
+        xy += (xs.T @ ys.float()).double()
+        sx += xs.sum(0).double()
+        sy += ys.sum(0)
+    return len(index), sx, sy, xx, xy
 
 
-def _sse(m: _Moments, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """sum (y - b - x^T w)^2 per target from the moments alone. w (d, t), b (t,) -> (t,)."""
-    return (m.syy + m.n * b**2 - 2 * b * m.sy - 2 * (w * m.xy).sum(0) + 2 * b * (m.sx @ w)
-            + (w * (m.xx @ w)).sum(0))
-
-
-def _sst(m: _Moments) -> torch.Tensor:
-    return m.syy - m.sy**2 / max(m.n, 1.0)
-
-
-def _centered(m: _Moments) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Covariance-style sums about the split's own means: (xx, xy, mean x, mean y)."""
-    mx, my = m.sx / m.n, m.sy / m.n
-    return m.xx - m.n * torch.outer(mx, mx), m.xy - m.n * torch.outer(mx, my), mx, my
-
-
-def _ridge_path(m: _Moments, alphas: tuple[float, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(w (d, t), intercept (t,)) for each alpha, on features standardised by this split's deviation.
-
-    The penalty is alpha * n * |w_std|^2: alpha is per token, so it means the same at any data size.
-    """
-    xx, xy, mx, my = _centered(m)
-    scale = (torch.diagonal(xx) / m.n).clamp(min=0).sqrt()
+def _ridge_path(n, sx, sy, xx, xy, alphas):
+    """Weights (d, alphas * t) and intercepts (alphas * t,) for every strength, fitted on features
+    standardised by their training deviation; the penalty alpha * n * |w_std|^2 is per token, so a
+    strength means the same at any data size. One eigendecomposition serves every alpha."""
+    mx, my = sx / n, sy / n
+    cxx, cxy = xx - n * torch.outer(mx, mx), xy - n * torch.outer(mx, my)
+    scale = (torch.diagonal(cxx) / n).clamp(min=0).sqrt()
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    evals, evecs = torch.linalg.eigh(xx / torch.outer(scale, scale))
-    proj = evecs.T @ (xy / scale[:, None])
-    out = []
-    for alpha in alphas:
-        w = (evecs @ (proj / (evals.clamp(min=0) + alpha * m.n)[:, None])) / scale[:, None]
-        out.append((w, my - mx @ w))
-    return out
+    evals, evecs = torch.linalg.eigh(cxx / torch.outer(scale, scale))
+    proj = evecs.T @ (cxy / scale[:, None])
+    ws = [(evecs @ (proj / (evals.clamp(min=0) + alpha * n)[:, None])) / scale[:, None] for alpha in alphas]
+    w = torch.cat(ws, 1)
+    return w, my.repeat(len(alphas)) - mx @ w
+
+
+def _scores(x, y, index, center, w, b, chunk_tokens):
+    """Per column of w: the sum of squared errors of y (tiled to w's columns), and the target's own
+    sum of squares about its mean, over the tokens of ``index``."""
+    t = y.shape[-1]
+    reps = w.shape[1] // t
+    sse = torch.zeros(w.shape[1], dtype=torch.float64)
+    sy, syy = torch.zeros(t, dtype=torch.float64), torch.zeros(t, dtype=torch.float64)
+    w32 = w.float()
+    for xs, ys in _chunks(x, y, index, center, chunk_tokens):
+        pred = (xs @ w32).double() + b
+        sse += ((ys.repeat(1, reps) - pred) ** 2).sum(0)
+        sy += ys.sum(0)
+        syy += (ys**2).sum(0)
+    return sse, syy - sy**2 / max(len(index), 1)
 
 
 def ridge_probe(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, split: SequenceSplit,
-                alphas: tuple[float, ...] = RIDGE_ALPHAS, chunk_tokens: int = 1 << 16) -> dict:
+                alphas: tuple[float, ...] = RIDGE_ALPHAS, chunk_tokens: int = 1 << 15) -> dict:
     """Closed-form ridge regression from x (S, n, d) to y (S, n) or (S, n, t); R^2 on test sequences.
 
-    The strength is chosen per target on the validation sequences, then the probe is refitted on
-    training + validation sequences. Returns {"r2": [t], "alpha": [t], "train_tokens", "test_tokens"}.
+    One pass over the training tokens builds X^T X (the only O(N d^2) step); every strength is then
+    solved from one eigendecomposition, scored on the validation sequences by prediction (O(N d) per
+    token), and the best per target is scored on the test sequences. Targets are non-negative (a
+    negative value marks a token without a target). Returns {"r2": [t], "alpha": [t], "train_tokens",
+    "test_tokens", ...}.
     """
     y = y[..., None] if y.dim() == 2 else y
     valid = valid_targets(y, mask)
-    fit_rows = torch.cat([split.train, split.val]).sort().values
-    if not all(valid[rows].any() for rows in (split.train, split.val, split.test)):
+    train, val, test = (_token_index(valid, rows) for rows in (split.train, split.val, split.test))
+    if min(len(train), len(val), len(test)) == 0:
         raise DataError("too few probe targets: a split of the sequences has no valid token; analyse more sequences")
-    # Any constant shift works; the mean of a first slice keeps the float32 Gram products well conditioned.
-    head = split.train[: max(1, chunk_tokens // max(1, x.shape[1]))]
-    first = x[head][valid[head]].float()
-    center = first.mean(0) if len(first) else x.new_zeros(x.shape[-1], dtype=torch.float32)
-    train, val, test = (_moments(x, y, valid, rows, center, chunk_tokens) for rows in (split.train, split.val, split.test))
-    val_sse = torch.stack([_sse(val, w, b) for w, b in _ridge_path(train, alphas)])  # (alphas, t)
-    best = val_sse.argmin(0)
-    fit = _Moments(train.n + val.n, train.sx + val.sx, train.sy + val.sy, train.syy + val.syy, train.xx + val.xx,
-                   train.xy + val.xy)
-    path = _ridge_path(fit, alphas)
-    w = torch.stack([path[int(a)][0][:, j] for j, a in enumerate(best)], 1)
-    b = torch.stack([path[int(a)][1][j] for j, a in enumerate(best)])
-    r2 = 1 - _sse(test, w, b) / _sst(test).clamp(min=1e-12)
-    return {"r2": r2.tolist(), "alpha": [alphas[int(a)] for a in best], "train_tokens": int(fit.n),
-            "test_tokens": int(test.n), "fit_sequences": len(fit_rows), "test_sequences": len(split.test)}
+    # Any constant shift works; the mean of a first slice keeps the float32 products well conditioned.
+    center = x.reshape(-1, x.shape[-1]).index_select(0, train[:chunk_tokens]).float().mean(0)
+    w, b = _ridge_path(*_fit_moments(x, y, train, center, chunk_tokens), alphas)
+    t = y.shape[-1]
+    val_sse, _ = _scores(x, y, val, center, w, b, chunk_tokens)
+    best = val_sse.view(len(alphas), t).argmin(0)
+    cols = best * t + torch.arange(t)
+    test_sse, test_ss = _scores(x, y, test, center, w[:, cols], b[cols], chunk_tokens)
+    r2 = 1 - test_sse / test_ss.clamp(min=1e-12)
+    return {"r2": r2.tolist(), "alpha": [alphas[int(a)] for a in best], "train_tokens": len(train),
+            "val_tokens": len(val), "test_tokens": len(test), "test_sequences": len(split.test)}
 
 
 # ------------------------------------------------------------------------------------ trained probes
