@@ -33,6 +33,17 @@ def model(seed=0, **extra):
     return poslab.build_model(cfg(**extra)).eval()
 
 
+_SHARED: dict[str, torch.nn.Module] = {}
+
+
+def shared_model(seed=0, **extra):
+    """A model built once per (seed, options), for property tests that only run it under no_grad."""
+    key = repr((seed, sorted(extra.items())))
+    if key not in _SHARED:
+        _SHARED[key] = model(seed, **extra)
+    return _SHARED[key]
+
+
 def mlm_batch(b=3, n=12, seed=1):
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, V, (b, n), generator=gen)
@@ -162,7 +173,7 @@ def test_eager_logit_terms_sum_to_the_fast_path_logits():
        d_ap=st.sampled_from([0, 4, 8]), seed=st.integers(0, 1000))
 def test_eager_and_sdpa_backends_agree(n, pad, rp, d_ap, seed):
     extra = {"d_ap": d_ap, "rp": None if rp is None else {"name": rp}}
-    fast, slow = model(seed, attn_backend="sdpa", **extra), model(seed, attn_backend="eager", **extra)
+    fast, slow = shared_model(attn_backend="sdpa", **extra), shared_model(attn_backend="eager", **extra)
     ids = torch.randint(0, V, (2, n), generator=torch.Generator().manual_seed(seed))
     mask = torch.ones(2, n, dtype=torch.long)
     mask[1, n - min(pad, n - 1):] = 0
@@ -177,21 +188,21 @@ def test_eager_and_sdpa_backends_agree(n, pad, rp, d_ap, seed):
 @FAST
 @given(n=st.integers(1, 10), pad=st.integers(1, 6), seed=st.integers(0, 1000))
 def test_positions_count_non_pad_tokens_so_left_padding_changes_nothing(start, n, pad, seed):
-    m = model(position_start=start)
+    m = shared_model(position_start=start)
     ids = torch.randint(1, V, (1, n), generator=torch.Generator().manual_seed(seed))
     padded = torch.cat([torch.zeros(1, pad, dtype=torch.long), ids], dim=1)
     mask = torch.cat([torch.zeros(1, pad, dtype=torch.long), torch.ones(1, n, dtype=torch.long)], dim=1)
     cache = ActivationCache("embed.ap")
     with torch.no_grad():
         plain = m(ids, capture=cache).logits
-        torch.testing.assert_close(cache["embed.ap"][0], m.ap_table()[start:start + n])
+        torch.testing.assert_close(cache["embed.ap"][0], m.ap_table()[:n])
         left = m(padded, attention_mask=mask).logits[:, pad:]
     torch.testing.assert_close(left, plain, rtol=1e-5, atol=1e-5)
 
 
 def test_random_position_offset_applies_in_training_only():
     m = model(position_offset_max=7, max_seq_len=16)
-    assert m.ap_table().shape[0] == 16 + 1 + 7
+    assert m.ap_table().shape[0] == 16 + 7 and m.model.ap_embed.weight.shape[0] == 1 + 16 + 7
     ids = torch.randint(0, V, (64, 5))
     assert torch.equal(m.model.positions(ids), torch.arange(5)[None] + 1)  # eval: no offset
     m.train()
@@ -310,3 +321,18 @@ def test_bad_inputs_and_names_are_rejected():
     with pytest.raises(InputError, match=r"position_ids must lie in \[0, 33\)"):
         model()(torch.zeros(1, 3, dtype=torch.long), position_ids=torch.tensor([[0, 1, 40]]))
     assert DSTGConfig(**{k: v for k, v in cfg().items()}).d_model == 32
+
+
+def test_params_command_prints_counts_and_the_matching_width(capsys):
+    import argparse
+
+    from poslab.models.dstg import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["params", "--scale", "quick", "--match"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    expected = count_parameters(ready_config("dstg", "quick"))
+    assert f"{expected:,d}" in out and "rp_neobert" in out
+    assert f"matching rope_neobert: {ready_config('dstg', 'quick')['ffn_hidden']}" in out

@@ -1,5 +1,6 @@
 """DSTG-NeoBERT (Lequeu et al., "Give it Space!"; papers/dstg.md): an encoder whose residual stream is
-split into an absolute-position part and a semantic part that never share a weight outside the FFN.
+split into an absolute-position part and a semantic part that read each other only in the FFN (and
+meet in attention only through the one softmax over their summed logits).
 
     x = [AP (d_ap) | sem (d_sem)]          AP: learned table over positions; sem: token embedding
     attention, per head:  logit = q_sem.k_sem / sqrt(d_qk) + q_ap.k_ap / sqrt(d_qk) + rp_bias
@@ -217,7 +218,7 @@ class DSTGNeoBertModel(DSTGPreTrainedModel):
 
     def __init__(self, config: DSTGNeoBertConfig) -> None:
         super().__init__(config)
-        spec = config.spec
+        spec = self.spec = config.spec  # read every forward; validating the dict each time would be waste
         self.embed = nn.Embedding(spec.vocab_size, spec.d_sem)
         self.ap_embed = nn.Embedding(spec.table_size, spec.d_ap) if spec.d_ap else None
         layer_rp: list[LayerPositional | None] = [None] * spec.n_layers
@@ -244,7 +245,7 @@ class DSTGNeoBertModel(DSTGPreTrainedModel):
                   position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """(b or 1, n) long: position_ids if given, else non-pad tokens counted from ``position_start``;
         in training, plus one random offset per sequence in [0, position_offset_max]."""
-        spec = self.config.spec
+        spec = self.spec
         n = input_ids.shape[1]
         if position_ids is not None:
             positions = position_ids
@@ -306,8 +307,9 @@ class DSTGNeoBertForMaskedLM(DSTGPreTrainedModel):
         return self.mlm_head.decoder
 
     def ap_table(self) -> torch.Tensor | None:
-        """The learned AP embedding table (positions, d_ap), or None when AP is off."""
-        return None if self.model.ap_embed is None else self.model.ap_embed.weight
+        """The learned AP table (positions, d_ap), row i for position ``position_start + i`` (rows below
+        position_start are never read, so analysis should not see them), or None when AP is off."""
+        return None if self.model.ap_embed is None else self.model.ap_embed.weight[self.model.spec.position_start:]
 
     def semantic_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                         position_ids: torch.Tensor | None = None) -> torch.Tensor:
