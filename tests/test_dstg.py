@@ -154,7 +154,8 @@ def test_eager_logit_terms_sum_to_the_fast_path_logits():
     for i in range(spec.n_layers):
         terms = {t: eager[f"blocks.{i}.attn.logits.{t}"] for t in ("ap", "sem", "rp")}
         for t in ("ap", "sem"):
-            torch.testing.assert_close(terms[t], scale * eager[f"blocks.{i}.attn.q.{t}"] @ eager[f"blocks.{i}.attn.k.{t}"].mT)
+            q, k = eager[f"blocks.{i}.attn.q.{t}"], eager[f"blocks.{i}.attn.k.{t}"]
+            torch.testing.assert_close(terms[t], scale * q @ k.mT)
         rp = m.model.blocks[i].attn.rp.logit_bias(positions, positions)
         torch.testing.assert_close(terms["rp"], rp.expand_as(terms["rp"]))
         assert terms["rp"].abs().sum() > 0 and terms["ap"].abs().sum() > 0

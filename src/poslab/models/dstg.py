@@ -97,8 +97,8 @@ class DSTGAttention(nn.Module):
             qk[s] = (self._heads(q), self._heads(k))
             values[s] = self._heads(v)
         bias = None if self.rp is None else self.rp.logit_bias(positions, positions)
-        terms_wanted = [f"{name}.logits.{t}" for t in [*qk, "rp"]]
-        eager = self.backend == "eager" or (capture is not None and capture.wants_some([f"{name}.probs", *terms_wanted]))
+        inspected = [f"{name}.probs", *(f"{name}.logits.{t}" for t in [*qk, "rp"])]
+        eager = self.backend == "eager" or (capture is not None and capture.wants_some(inspected))
         first, *rest = values
         out, probs, terms = attend(qk, values[first], values={s: values[s] for s in rest}, biases={"rp": bias},
                                    scale=1.0 / math.sqrt(self.head_dim), causal=False, key_padding=key_padding,
