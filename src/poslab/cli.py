@@ -14,6 +14,8 @@ COMMAND_MODULES = [
     "poslab.tasks.cli",
     "poslab.data.cli",
     "poslab.train.cli",
+    "poslab.analysis.cli",
+    "poslab.models.dstg",
 ]
 
 

@@ -78,9 +78,11 @@ def attend(
     if mask is not None and not use_is_causal:
         additive = mask.to(q.dtype) if additive is None else additive + mask.to(q.dtype)
     # SDPA's fused kernels need equal q/k and v head dims; otherwise torch falls back to its slow math
-    # path. Zero-padding v keeps the fused kernel and costs only the extra PV columns.
+    # path. Zero-padding v keeps the fused kernel and costs only the extra PV columns -- unless a bias
+    # that needs a gradient sends SDPA to the math path anyway, where padding is pure waste.
     d_v = v_all.shape[-1]
-    if d_v < q.shape[-1]:
+    math_path = additive is not None and additive.requires_grad and torch.is_grad_enabled()
+    if d_v < q.shape[-1] and not math_path:
         v_all = F.pad(v_all, (0, q.shape[-1] - d_v))
     out = F.scaled_dot_product_attention(q, k, v_all, attn_mask=additive, is_causal=use_is_causal, scale=scale)
     return out[..., :d_v], None, None
