@@ -344,6 +344,13 @@ def test_bf16_autocast_trains(tmp_path):
     assert {t.dtype for t in weights.values()} == {torch.float32}  # autocast: fp32 master weights
 
 
+@pytest.mark.slow  # inductor compiles for each new sequence width: minutes on two cores
+def test_compiled_model_trains_like_the_eager_one(tmp_path):
+    train(RunConfig.from_dict(tiny_config(steps=3)), tmp_path / "eager")
+    train(RunConfig.from_dict(tiny_config(steps=3, compile=True)), tmp_path / "compiled")
+    assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "eager"), rel=1e-4)
+
+
 TASK_CONFIGS = Path(poslab.train.__file__).parent.parent / "configs" / "tasks"
 
 
