@@ -29,7 +29,8 @@ from poslab.train.optim import lr_factor, param_groups
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    # Tiny models on two shared cores: a second thread only adds OpenMP spinning (10x slower under load).
+    # Tiny models on two shared cores: a second thread only adds OpenMP spinning (10x slower under load);
+    # the 2-process test also needs it set before it forks.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

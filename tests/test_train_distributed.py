@@ -12,18 +12,9 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from poslab.train import RunConfig, train
-from test_train import losses, tiny_config
+from test_train import _one_thread, losses, tiny_config  # noqa: F401 (_one_thread: an autouse fixture)
 
 WORLD = 2
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Several processes on two shared cores: more threads than cores makes OpenMP spin and crawl.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _free_port() -> int:
