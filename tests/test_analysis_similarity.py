@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from poslab.analysis.similarity import (adjacency_row_scores, adjacency_row_scores_reference, adjacency_score,
-                                        cosine_self_similarity)
+                                        cosine_self_similarity, sequence_adjacency)
 from poslab.errors import DataError
 from poslab.functional import adjacency_score as functional_adjacency
 from poslab.functional import cosine_self_similarity as functional_cosine
@@ -115,3 +115,15 @@ def test_causal_mixing_of_random_embeddings_is_adjacent():
     emb = adjacency_score(cosine_self_similarity(x))
     mix = adjacency_score(cosine_self_similarity(mixed))
     assert (emb - 0.5).abs().max() < 0.05 and (mix > 0.95).all()
+
+
+def test_sequence_adjacency_scores_each_sequences_real_tokens():
+    torch.manual_seed(0)
+    h = torch.randn(3, 10, 8)
+    mask = torch.ones(3, 10, dtype=torch.bool)
+    mask[1, 6:] = False
+    mask[2, 2:] = False
+    scores = sequence_adjacency(h, mask)
+    assert scores[0].item() == pytest.approx(adjacency_score(cosine_self_similarity(h[0])).item())
+    assert scores[1].item() == pytest.approx(adjacency_score(cosine_self_similarity(h[1, :6])).item())
+    assert torch.isnan(scores[2])  # two real tokens: no row with two earlier positions

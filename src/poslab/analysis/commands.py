@@ -24,7 +24,7 @@ from poslab.analysis.probes import (absolute_positions, classification_probe, co
                                     ridge_probe, split_sequences, valid_targets, variance_features)
 from poslab.analysis.runs import Run, by_depth, layer_of, stream_of
 from poslab.analysis.similarity import cosine_self_similarity, sequence_adjacency
-from poslab.analysis.spectra import spectrum_summary
+from poslab.analysis.spectra import pca, spectrum_summary
 from poslab.analysis.variance import variance_profile, variance_trend
 from poslab.errors import ConfigError, DataError
 from poslab.positional import InputPositional
@@ -156,11 +156,12 @@ def probes(run: Run, opts: Options) -> dict:
         streams = [n for n in by_depth(caps) if not stream_of(n).startswith("attn_out")]
         entry: dict = {"ridge": {}, "mlp": {}, "classification": {}}
         for target, y in targets.items():
+            labelled = valid_targets(y, mask)
+            if not all(labelled[rows].any() for rows in (split.train, split.val, split.test)):
+                raise DataError(f"probe target '{target}' has no labelled token in the training, validation or "
+                                "test sequences; analyse more sequences (--sequences)")
             entry["ridge"][target] = {}
             for name in streams:
-                if not valid_targets(y, mask)[split.test].any():
-                    raise DataError(f"probe target '{target}' has no labelled token in the test sequences; "
-                                    "analyse more sequences")
                 r2 = ridge_probe(caps[name], y, mask, split)["r2"][0]
                 entry["ridge"][target][name] = r2
                 key = f"{label} {target} {stream_of(name)}"
@@ -231,11 +232,18 @@ def spectra(run: Run, opts: Options) -> dict:
     figures = [
         plots.lines(run.out_dir / "spectra_pca.png", series, f"AP table PCA ({run.name})", "component",
                     "explained variance ratio"),
+        plots.lines(run.out_dir / "spectra_components.png",
+                    {f"PC{i + 1}": (list(range(rows)), c) for i, c in enumerate(spectrum_scores(tables["trained"], rows))},
+                    f"Top principal components of the AP table along positions ({run.name})", "position", "score"),
         plots.heatmap(run.out_dir / "spectra_dct.png", [p[:bins] for p in trained["dct_power"]],
                       "DCT-II power of the top principal components", "DCT bin", "component",
                       yticklabels=[f"PC{i + 1}" for i in range(len(trained["dct_power"]))]),
     ]
     return _finish(run, "spectra", data, figures)
+
+
+def spectrum_scores(table: torch.Tensor, rows: int, components: int = 4) -> list[list[float]]:
+    return pca(table.detach()[:rows].cpu())[1][:components].tolist()
 
 
 # -------------------------------------------------------------------------------------------------- heads
