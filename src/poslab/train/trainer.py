@@ -121,6 +121,8 @@ class Trainer:
             if parallel.rank < len(rng_states):  # a resume on more ranks keeps the fresh per-rank seeds
                 ckpt.set_rng_state(rng_states[parallel.rank])
             self.step, self.best, self.last_loss = state["step"], state["best"], state["last_loss"]
+            with contextlib.suppress(CheckpointError):  # best may be newer than last: trust its own record
+                self.best = ckpt.load_trainer_state(ckpt.resolve(self.out / CHECKPOINTS / "best"))["best"]
         self.monitor = None
         if parallel.is_main:
             _init_out_dir(out_dir, config, overwrite)
