@@ -167,6 +167,29 @@ def test_rope_scaling_is_the_identity_at_factor_one_and_changes_longer_inputs(ru
     assert evaluate_lengths(run.config, run.model, [5], sequences=8, batch_size=8)[0]["factor"] == 1.0
 
 
+def test_dstg_run_streams_table_and_terms(tmp_path):
+    raw = {"seed": 0,
+           "model": {"arch": "dstg", "vocab_size": None, "n_layers": 2, "n_heads": 2, "d_ap": 8, "d_sem": 24,
+                     "max_seq_len": 32},
+           "data": {"kind": "mlm", "source": {"type": "synthetic", "documents": 60, "seed": 0},
+                    "tokenizer": {"type": "wordpiece", "vocab_size": 200, "train_documents": 40},
+                    "validation_documents": 20, "seq_len": 32, "cache_dir": str(tmp_path / "cache")},
+           "train": {"steps": 2, "batch_size": 4, "warmup_steps": 0, "eval_batches": 1}}
+    train(RunConfig.from_dict(raw), tmp_path / "dstg")
+    run = str(tmp_path / "dstg")
+    assert analyze("adjacency", "--run", run, "--sequences", "8") == 0
+    adj = json.loads((tmp_path / "dstg" / "analysis" / "adjacency.json").read_text())["models"]["trained"]
+    assert {"embed.ap", "embed.sem", "blocks.1.resid_post.ap", "blocks.1.resid_post.sem"} <= set(adj)
+    assert analyze("spectra", "--run", run) == 0
+    spectra = json.loads((tmp_path / "dstg" / "analysis" / "spectra.json").read_text())
+    assert spectra["models"]["trained"]["dim"] == 8 and spectra["positions"] == 32
+    assert analyze("heads", "--run", run, "--sequences", "8") == 0
+    heads = json.loads((tmp_path / "dstg" / "analysis" / "heads.json").read_text())
+    assert heads["terms"] == ["ap", "sem", "rp"]
+    with pytest.raises(ConfigError, match="rotary frequencies"):
+        analyze("frequencies", "--run", run, "--sequences", "8")
+
+
 # ---- bad input: one clear line ------------------------------------------------------------------------------
 
 def _one_line(err: PoslabError) -> str:

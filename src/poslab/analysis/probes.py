@@ -30,7 +30,7 @@ from torch import nn
 from poslab.analysis.similarity import cosine_self_similarity
 from poslab.errors import DataError
 
-RIDGE_ALPHAS = (1e-6, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
+RIDGE_ALPHAS = (1e-6, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0, 1000.0)
 
 
 @dataclass(frozen=True)
