@@ -271,7 +271,9 @@ def test_output_directory_rules(tmp_path):
     assert load_config(tmp_path / "run/config.yaml").seed == 1
 
 
-def test_bad_vocab_and_sequence_length_are_config_errors(tmp_path):
+def test_bad_vocab_sequence_length_and_lone_fsdp_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="train.fsdp shards the model over several processes"):
+        train(RunConfig.from_dict(tiny_config(fsdp=True)), tmp_path / "c")
     raw = tiny_config()
     raw["model"]["vocab_size"] = 5
     with pytest.raises(ConfigError, match=r"model.vocab_size \(5\) is smaller than the data's vocabulary"):
@@ -280,6 +282,7 @@ def test_bad_vocab_and_sequence_length_are_config_errors(tmp_path):
     raw["model"]["max_seq_len"] = 4
     with pytest.raises(ConfigError, match="raise model.max_seq_len"):
         train(RunConfig.from_dict(raw), tmp_path / "b")
+    assert not any((tmp_path / name).exists() for name in "abc")  # refused before writing anything
 
 
 def test_cli_writes_run_and_plain_progress_lines(tmp_path, capsys):

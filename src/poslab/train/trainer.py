@@ -87,6 +87,8 @@ class Trainer:
         require(cfg.batch_size % (world * cfg.grad_accum) == 0,
                 f"train.batch_size ({cfg.batch_size}) must be divisible by processes x train.grad_accum "
                 f"({world} x {cfg.grad_accum})")
+        require(world > 1 or not cfg.fsdp, "train.fsdp shards the model over several processes: launch with "
+                                           "torchrun --nproc_per_node N, or set train.fsdp: false")
         _check_out_dir(out_dir, config, resume, overwrite)
         parallel.barrier()  # every rank has looked before rank 0 touches the directory
 
@@ -94,6 +96,7 @@ class Trainer:
         require(config.model.vocab_size >= self.source.vocab_size,
                 f"model.vocab_size ({config.model.vocab_size}) is smaller than the data's vocabulary "
                 f"({self.source.vocab_size}); set model.vocab_size: null to take it from the data")
+        self._check_width(self.source.train_batch(0, cfg.batch_size, parallel.rank, world))  # before writing
         _seed_everything(config.seed)  # the same initial weights on every rank
         model = build_model(config.model)
         last = self.out / CHECKPOINTS / "last"
@@ -180,10 +183,7 @@ class Trainer:
         t0 = time.perf_counter()
         batch = self.source.train_batch(step, cfg.batch_size, par.rank, par.world_size)
         data_seconds = time.perf_counter() - t0
-        width = batch["input_ids"].shape[1]
-        if width > self.config.model.max_seq_len:
-            raise ConfigError(f"the data has sequences of {width} tokens but model.max_seq_len is "
-                              f"{self.config.model.max_seq_len}; raise model.max_seq_len")
+        self._check_width(batch)
         inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
         micro = [dict(zip(inputs, parts)) for parts in zip(*(v.tensor_split(cfg.grad_accum) for v in inputs.values()))]
         counts = [int((targets(mb["labels"], causal) != -100).sum()) for mb in micro]
@@ -215,6 +215,12 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": batch["input_ids"].numel() * par.world_size,
                 "seconds": time.perf_counter() - t0, "data_seconds": data_seconds}
+
+    def _check_width(self, batch: dict[str, torch.Tensor]) -> None:
+        width = batch["input_ids"].shape[1]
+        if width > self.config.model.max_seq_len:
+            raise ConfigError(f"the data has sequences of {width} tokens but model.max_seq_len is "
+                              f"{self.config.model.max_seq_len}; raise model.max_seq_len")
 
     def _diverged(self, step: int, what: str, value: float) -> None:
         last = self.out / CHECKPOINTS / "last"
