@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 from torch import nn
 
@@ -143,6 +145,20 @@ def test_warmup_then_cosine_to_min_lr():
     assert all(a > b for a, b in itertools.pairwise(lrs[3:]))
     constant = TrainConfig(steps=20, lr=1e-3, warmup_steps=0, schedule="constant")
     assert {lr_factor(constant)(t) for t in range(20)} == {1.0}
+
+
+@settings(max_examples=50, deadline=None)
+@given(steps=st.integers(1, 300), warmup=st.integers(0, 300), floor=st.floats(0, 1))
+def test_schedule_shape_for_any_lengths(steps, warmup, floor):
+    warmup = min(warmup, steps)
+    cfg = TrainConfig(steps=steps, lr=1.0, min_lr=floor, warmup_steps=warmup)
+    factors = [lr_factor(cfg)(t) for t in range(steps)]
+    peak = max(warmup - 1, 0)
+    assert all(floor - 1e-12 <= f <= 1 + 1e-12 for f in factors[peak:]) and factors[peak] == pytest.approx(1.0)
+    assert all(a < b for a, b in itertools.pairwise(factors[:peak + 1]))  # warmup rises
+    assert all(a >= b - 1e-12 for a, b in itertools.pairwise(factors[peak:]))  # then never rises
+    if steps - 1 > peak:  # the last update uses min_lr
+        assert factors[-1] == pytest.approx(floor, abs=1e-12)
 
 
 # ---- checkpoints --------------------------------------------------------------------------------------------

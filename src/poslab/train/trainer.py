@@ -248,8 +248,9 @@ class Trainer:
             raise ConfigError(f"train.best_metric '{name}' is not an evaluation metric here "
                               f"(available: {', '.join(metrics)})")
         value = metrics[name]
-        better = math.isfinite(value) and (self.best is None or (value < self.best["value"] if mode == "min"
-                                                                 else value > self.best["value"]))
+        best = self.best if self.best is not None and self.best["metric"] == name else None  # metric changed
+        better = math.isfinite(value) and (best is None or (value < best["value"] if mode == "min"
+                                                            else value > best["value"]))
         if better:
             self.best = {"metric": name, "value": value, "step": self.step}
             self._save("best")
