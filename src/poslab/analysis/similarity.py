@@ -37,16 +37,6 @@ def cosine_self_similarity(h: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     return x @ x.transpose(-1, -2)
 
 
-def _tie_pairs(sorted_vals: torch.Tensor) -> torch.Tensor:
-    """sorted_vals (R, n), each row ascending -> (R,) int64 number of pairs with equal values."""
-    n = sorted_vals.shape[-1]
-    idx = torch.arange(n, device=sorted_vals.device, dtype=torch.int32)
-    new_run = torch.ones_like(sorted_vals, dtype=torch.bool)
-    new_run[..., 1:] = sorted_vals[..., 1:] != sorted_vals[..., :-1]
-    run_start = torch.where(new_run, idx, 0).cummax(dim=-1).values
-    return (idx - run_start).sum(-1, dtype=torch.int64)  # element j ties with the j - start before it
-
-
 def _ascending_pairs(rank: torch.Tensor, split: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Count pairs i < j with r_i < r_j in rows of a rank permutation, bit by bit from the top.
 
@@ -58,79 +48,112 @@ def _ascending_pairs(rank: torch.Tensor, split: torch.Tensor) -> tuple[torch.Ten
     shared block. Ranks are a permutation, so blocks sit at fixed offsets and each level is O(N).
     """
     R, N = rank.shape
-    small = torch.int16 if N < 1 << 15 else torch.int32  # half the memory traffic of int32 when ranks fit
+    # Small integers halve or quarter the memory traffic; every intermediate below stays under 1.5 N.
+    small = torch.int16 if N <= 1 << 14 else torch.int32
     seq = rank.to(small)
-    pos = torch.arange(N, device=rank.device)  # int64: destinations come out int64, as scatter wants
+    pos = torch.arange(N, device=rank.device, dtype=small)
     split = split.to(small)[:, None]
-    total = torch.zeros(R, dtype=torch.int64, device=rank.device)
-    below = torch.zeros(R, dtype=torch.int64, device=rank.device)
+    # Per-position running counts (a position's total over all levels is < N); summed once at the end.
+    total = torch.zeros(R, N, dtype=small, device=rank.device)
+    below = torch.zeros(R, N, dtype=small, device=rank.device)
     for b in reversed(range(N.bit_length() - 1)):
         half, block = 1 << b, 2 << b
-        one = (seq & half) != 0
-        zeros = (~one).view(R, N // block, block).cumsum(-1, dtype=small).view(R, N)
+        one = (seq >> b) & 1
+        zeros = (1 - one).view(R, N // block, block).cumsum(-1, dtype=small).view(R, N)
         earlier_smaller = zeros * one  # a 1-bit element follows `zeros` 0-bits in its block
-        total += earlier_smaller.sum(-1)
-        below += (earlier_smaller * (seq < split)).sum(-1)
-        # Stable partition of each block by this bit: 0-bits keep their order in the first half.
-        one_dest = pos + half  # minus the zeros before it
-        zero_dest = (pos & ~(block - 1)) - 1  # plus the zeros up to it
-        new_pos = torch.where(one, one_dest - zeros, zero_dest + zeros)
-        seq = torch.empty_like(seq).scatter_(-1, new_pos, seq)
+        total += earlier_smaller
+        below += earlier_smaller.masked_fill(seq >= split, 0)  # mixed-dtype products would copy
+        # Stable partition of each block by this bit: a 0-bit goes to start - 1 + zeros, a 1-bit to
+        # pos + half - zeros (arithmetic instead of torch.where, which is slower on small integers).
+        start = pos & ~(block - 1)
+        new_pos = (start - 1 + zeros) + one * ((pos - start + half + 1) - 2 * zeros)
+        seq = torch.empty_like(seq).scatter_(-1, new_pos.long(), seq)
+    total, below = total.sum(-1), below.sum(-1)
     return total, below
 
 
-def adjacency_row_scores(sim: torch.Tensor) -> torch.Tensor:
-    """P_k for every row. sim (..., n, n) -> (..., n) float64; NaN for k < 2 and for non-finite rows.
+def _pack_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pair row a with row b = T - a so that their earlier entries (a + b = T of them) fill one row.
 
-    Rows are ranked with one stable sort (later columns become +inf, ties broken by descending index so
-    that a tied pair never counts as ascending; ties are counted separately). Row k has k ranks and row
-    n-1-k has n-1-k, so the two are packed into one sequence of length n-1 (the second offset above
-    the first, which makes every cross pair ascending, a known a*b) and counted together: half the work.
+    rows (B, n, n) -> (values (B * P, T), a (P,), b (P,)): packed row p holds C[a_p, 0..a_p-1] then
+    C[b_p, 0..b_p-1]. T = n - 1 for even n; for odd n, T = n and row 0 (which has no entries) stays out.
     """
-    if sim.dim() < 2 or sim.shape[-1] != sim.shape[-2]:
-        raise DataError(f"adjacency needs square similarity matrices (..., n, n), got shape {tuple(sim.shape)}")
-    n, batch, dev = sim.shape[-1], sim.shape[:-2], sim.device
-    rows = sim.reshape(-1, n, n)
-    B = rows.shape[0]
-    k = torch.arange(n, device=dev)
-    earlier = k[None, :] < k[:, None]  # (n, n): column j is earlier than row k
-    finite = torch.where(earlier, torch.isfinite(rows), True).all(-1)  # (B, n)
-    if n < 3:
-        return torch.full((*batch, n), float("nan"), dtype=torch.float64, device=dev)
-
-    # Non-finite entries (their rows end up NaN anyway) become 0 so that each row still ranks its k
-    # earlier values 0..k-1 below the +inf pads.
-    masked = torch.where(earlier, torch.where(torch.isfinite(rows), rows, 0.0), torch.inf)
-    sorted_vals, order = torch.sort(masked.flip(-1), dim=-1, stable=True)
-    ties = _tie_pairs(sorted_vals.view(B * n, n)).view(B, n) - (n - k) * (n - k - 1) // 2
-    rank = torch.empty((B, n, n), dtype=torch.int32, device=dev)
-    rank.scatter_(-1, (n - 1) - order, k.to(torch.int32).expand(B, n, n).contiguous())
-
-    # Pair rows a and b = T - a (lengths a + b = T); with n odd, row 0 (empty) stays out.
+    n, dev = rows.shape[-1], rows.device
     T = n - 1 if n % 2 == 0 else n
-    a = torch.arange(n % 2, (n + 1) // 2, device=dev)  # (P,)
+    a = torch.arange(n % 2, (n + 1) // 2, device=dev)
     b = T - a
     t = torch.arange(T, device=dev)
     in_a = t[None, :] < a[:, None]  # (P, T)
     src_row = torch.where(in_a, a[:, None], b[:, None])
     src_col = torch.where(in_a, t[None, :], t[None, :] - a[:, None])
-    packed = rank[:, src_row, src_col] + torch.where(in_a, 0, a[:, None]).to(torch.int32)  # (B, P, T)
+    return rows[:, src_row, src_col].reshape(-1, T), a, b
+
+
+def adjacency_row_scores(sim: torch.Tensor) -> torch.Tensor:
+    """P_k for every row. sim (..., n, n) -> (..., n) float64; NaN for k < 2 and for non-finite rows.
+
+    Row k has k entries and row n-1-k has n-1-k, so each pair of rows is packed into one sequence of
+    n - 1 values (``_pack_rows``). One stable sort of the packed rows, then a stable partition by which
+    row a value came from, ranks both rows at once: the first row's values get ranks 0..a-1 and the
+    second's a..T-1, so every cross pair is ascending (a known a * b). Ties are broken by descending
+    position, so a tied pair never looks ascending, and are counted separately from the sorted runs.
+    """
+    if sim.dim() < 2 or sim.shape[-1] != sim.shape[-2]:
+        raise DataError(f"adjacency needs square similarity matrices (..., n, n), got shape {tuple(sim.shape)}")
+    n, batch, dev = sim.shape[-1], sim.shape[:-2], sim.device
+    if n < 3:
+        return torch.full((*batch, n), float("nan"), dtype=torch.float64, device=dev)
+    rows = sim.reshape(-1, n, n)
+    B = rows.shape[0]
+    values, a, b = _pack_rows(rows)
+    R, T = values.shape
+    split = a.repeat(B)[:, None]  # (R, 1): packed positions >= split belong to the second row
+    t = torch.arange(T, device=dev)
+    second = t[None, :] >= split
+    # A finite sum means every entry is finite (one reduction instead of an elementwise test).
+    bad_first = bad_second = torch.zeros(R, dtype=torch.bool, device=dev)
+    if not torch.isfinite(values.sum()):
+        bad = ~torch.isfinite(values)
+        bad_first, bad_second = (bad & ~second).any(-1), (bad & second).any(-1)
+        values = torch.where(bad, 0.0, values)  # those rows end up NaN; 0 keeps the ranks a permutation
+
+    # Descending stable sort, read backwards = ascending values, ties in descending position order.
+    desc_vals, desc_order = torch.sort(values, dim=-1, descending=True, stable=True)
+    sorted_vals, order = desc_vals.flip(-1), desc_order.flip(-1)
+    from_second = order >= split
+    # Stable partition by row: the first row's values take ranks 0..a-1, the second's a..T-1.
+    dest = torch.where(from_second, split - 1 + from_second.cumsum(-1), (~from_second).cumsum(-1) - 1)
+    rank = torch.empty_like(order).scatter_(-1, order, dest)
+    # Ties: in partitioned order, a run of equal values that stays inside one row.
+    part = torch.empty_like(sorted_vals).scatter_(-1, dest, sorted_vals)
+    new_run = torch.ones_like(part, dtype=torch.bool)
+    new_run[:, 1:] = (part[:, 1:] != part[:, :-1]) | (t[None, 1:] == split)
+    run_start = torch.where(new_run, t, 0).cummax(dim=-1).values
+    tied_before = t - run_start  # each value ties with this many before it in its run
+    ties_first = torch.where(second, 0, tied_before).sum(-1)
+    ties_second = tied_before.sum(-1) - ties_first
+
     N = 1 << max(0, (T - 1).bit_length())
-    pad = torch.arange(T, N, device=dev, dtype=torch.int32).expand(B, a.numel(), N - T)
-    packed = torch.cat([packed, pad], -1).view(-1, N)  # pads rank above everything: each pad at t adds t
-    split = a.repeat(B)
+    pad = torch.arange(T, N, device=dev).expand(R, N - T)  # ranked above everything: the pad at t adds t
+    packed = torch.cat([rank, pad], -1)
     # Row chunks of ~2^19 entries keep a level's working set in cache (about 2x faster than one pass).
     step = max(1, (1 << 19) // N)
-    parts = [_ascending_pairs(packed[i:i + step], split[i:i + step]) for i in range(0, packed.shape[0], step)]
-    total, below = torch.cat([t for t, _ in parts]), torch.cat([b for _, b in parts])
-    total, below = total.view(B, -1), below.view(B, -1)
-    ascending = torch.zeros((B, n), dtype=torch.int64, device=dev)
-    ascending[:, a] = below
-    ascending[:, b] = total - below - a * b - (N * (N - 1) - T * (T - 1)) // 2
+    parts = [_ascending_pairs(packed[i:i + step], split[i:i + step, 0]) for i in range(0, R, step)]
+    total, below = torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
+    rep_a, rep_b = a.repeat(B), b.repeat(B)
+    above = total - below - rep_a * rep_b - (N * (N - 1) - T * (T - 1)) // 2
 
+    ascending = torch.zeros((B, n), dtype=torch.float64, device=dev)
+    ties = torch.zeros((B, n), dtype=torch.float64, device=dev)
+    bad_row = torch.zeros((B, n), dtype=torch.bool, device=dev)
+    for index, asc, tie, bad in ((a, below, ties_first, bad_first), (b, above, ties_second, bad_second)):
+        ascending[:, index] = asc.view(B, -1).double()
+        ties[:, index] = tie.view(B, -1).double()
+        bad_row[:, index] = bad.view(B, -1)
+    k = torch.arange(n, device=dev)
     pairs = (k * (k - 1) // 2).double()
-    p = (ascending.double() + 0.5 * ties.double()) / pairs.clamp(min=1)
-    p = torch.where((k >= 2)[None, :] & finite, p, torch.full_like(p, float("nan")))
+    p = (ascending + 0.5 * ties) / pairs.clamp(min=1)
+    p = torch.where((k >= 2)[None, :] & ~bad_row, p, torch.full_like(p, float("nan")))
     return p.view(*batch, n)
 
 
