@@ -126,3 +126,11 @@ def test_cosine_features_shapes_and_values():
             + torch.nn.functional.cosine_similarity(h[:, 5], h[:, 6], dim=-1)) / 2
     assert torch.allclose(bi[:, 5, 4], both, atol=1e-6)
     assert torch.all(bi[:, 0, 0] != 0)  # bidirectional: position 0 sees the others
+
+
+def test_blocked_gram_equals_the_full_product():
+    from poslab.analysis.probes import _gram
+
+    x = torch.randn(50, 7, dtype=torch.float64)
+    for width in (1, 3, 7, 10):
+        assert torch.allclose(_gram(x, width), x.T @ x)
