@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from poslab.data.config import DataConfig, MaskingConfig, TokenizerConfig
-from poslab.data.prepare import ensure_prepared, prepare
+from poslab.data.preparation import ensure_prepared, prepare
 from poslab.data.source import LMSource, MLMSource, TextBatchSource
 from poslab.data.store import STRUCTURE_KEYS, PreparedCorpus
 

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from poslab.data.config import DataConfig
-from poslab.data.prepare import prepare
+from poslab.data.preparation import prepare
 from poslab.errors import ConfigError
 
 

@@ -32,12 +32,14 @@ univ assn bros ca cf ibid op cit resp viz
 """.split())
 
 _OPENERS = "\"'“‘«([{¿¡"
-# A terminal mark (or run of them / an ellipsis), closing quotes/brackets, then whitespace. Group "end" is
-# where the sentence ends; the lookahead captures the first non-space character that follows.
-_CANDIDATE = re.compile(r"(?P<mark>\.\.\.+|…+|[.!?]+)(?P<close>[\"'”’»)\]}]*)(?P<end>)\s+(?=(?P<next>\S+))")
+_CLOSERS = "\"'”’»)]}"
+# A terminal mark, then further marks or closing quotes/brackets, then the space before the next word (text
+# is whitespace-normalised first). Starting with a character class keeps the scan at C speed; an
+# alternation of mark kinds here made segmentation a third of preparation time.
+_CANDIDATE = re.compile(r"[.!?…][.!?…\"'”’»)\]}]* (?=\S)")
 _CJK = re.compile(r"[。！？]+[」』”’）)]*")
 _PARAGRAPH = re.compile(r"\n[ \t\r\f\v]*\n\s*")
-_WORD_BEFORE = re.compile(r"(\S+)$")
+_IRREGULAR_SPACE = re.compile(r"[^\S ]|  ")  # whitespace other than single spaces (cheaper to find than to fix)
 _ACRONYM = re.compile(r"^(?:[A-Za-z]\.)+[A-Za-z]$")
 
 
@@ -46,29 +48,26 @@ def split_paragraphs(text: str) -> list[str]:
     return [p.strip() for p in _PARAGRAPH.split(text) if p.strip()]
 
 
-def _keeps_going(text: str, m: re.Match) -> bool:
-    """True when the candidate boundary ``m`` is not a sentence end (see the module docstring)."""
-    nxt = m.group("next").lstrip(_OPENERS)
+def _keeps_going(text: str, start: int, end: int) -> bool:
+    """True when the candidate ``text[start:end]`` (marks, closers, a space) is not a sentence end."""
+    nxt = text[end:end + 16].lstrip(_OPENERS)
     if not nxt:
         return False
-    first = nxt[0]
-    if first.islower():
+    if nxt[0].islower():
         return True
-    if m.group("mark") != ".":
+    if text[start:end - 1].rstrip(_CLOSERS) != ".":
         return False
-    word = _WORD_BEFORE.search(text, 0, m.start())
-    if word is None:
-        return False
-    word = word.group(1).lstrip(_OPENERS)
-    return len(word) == 1 and word.isalpha() or word.lower() in ABBREVIATIONS or bool(_ACRONYM.match(word))
+    word = text[text.rfind(" ", 0, start) + 1:start].lstrip(_OPENERS)
+    return (len(word) == 1 and word.isalpha() or word.lower() in ABBREVIATIONS
+            or "." in word and _ACRONYM.match(word) is not None)
 
 
 def split_sentences(paragraph: str) -> list[str]:
     """Sentences of one paragraph, whitespace-normalised (runs of whitespace become one space)."""
-    text = " ".join(paragraph.split())
-    ends: list[int] = [m.end() for m in _CJK.finditer(text)]
-    ends += [m.end("end") for m in _CANDIDATE.finditer(text) if not _keeps_going(text, m)]
-    ends.sort()
+    text = " ".join(paragraph.split()) if _IRREGULAR_SPACE.search(paragraph) else paragraph
+    ends = [m.end() - 1 for m in _CANDIDATE.finditer(text) if not _keeps_going(text, m.start(), m.end())]
+    if "。" in text or "！" in text or "？" in text:
+        ends = sorted(ends + [m.end() for m in _CJK.finditer(text)])
     sentences, start = [], 0
     for end in ends + [len(text)]:
         piece = text[start:end].strip()

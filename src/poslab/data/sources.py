@@ -10,6 +10,7 @@ count of the latest pass) so that preparation can report it instead of failing o
 """
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Iterator
@@ -228,12 +229,8 @@ def open_source(config: dict[str, Any]):
 def document_text(doc: Document) -> tuple[str, list[int], list[int]]:
     """The text a document is tokenised as (sentences joined by a space, paragraphs by a blank line),
     with each sentence's end offset and paragraph index."""
-    parts, ends, paragraph, pos = [], [], [], 0
-    for p, sentences in enumerate(doc):
-        for s, sentence in enumerate(sentences):
-            sep = "" if pos == 0 else " " if s else "\n\n"
-            parts.append(sep + sentence)
-            pos += len(sep) + len(sentence)
-            ends.append(pos)
-            paragraph.append(p)
-    return "".join(parts), ends, paragraph
+    paragraph = [p for p, sentences in enumerate(doc) for _ in sentences]
+    # Each sentence's length plus the separator before it: 1 inside a paragraph, 2 at a new paragraph.
+    steps = [len(sentence) + (2 if s == 0 else 1) for sentences in doc for s, sentence in enumerate(sentences)]
+    steps[0] -= 2
+    return "\n\n".join(" ".join(sentences) for sentences in doc), list(itertools.accumulate(steps)), paragraph

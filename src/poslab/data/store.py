@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from poslab.data.prepare import MANIFEST_VERSION, SENTENCE_COLUMNS
+from poslab.data.preparation import MANIFEST_VERSION, SENTENCE_COLUMNS
 from poslab.data.tokenizer import load_hf_tokenizer
 from poslab.errors import DataError, unknown_key_message
 

@@ -1,0 +1,290 @@
+"""Preparation: documents -> tokens with structure labels -> memory-mapped shards + a JSON manifest.
+
+Layout of a prepared directory::
+
+    manifest.json                  what was prepared, from what, with counts (MANIFEST_VERSION)
+    tokenizer/                     a transformers tokenizer directory (AutoTokenizer-loadable)
+    <split>/<i>.tokens.npy         (n,) token ids of the split's stream: doc tokens then [SEP], per document
+    <split>/<i>.rows.npy           (n,) int32 row of each token in <i>.sentences.npy, -1 for [SEP]
+    <split>/<i>.sentences.npy      (s, 7) int64, columns SENTENCE_COLUMNS, starts are shard-local token indices
+    <split>/<i>.documents.npy      (d, 3) int64 (doc_id, start, length without the [SEP])
+
+Storing a sentence row per token (4 bytes) instead of six label arrays keeps shards small (about 7 bytes
+per token in all with uint16 ids); every per-token label is recomputed from the row and the token index
+when a batch is read. Documents never straddle shards. Splits: the first ``validation_documents``
+documents form ``validation``, the rest ``train``.
+
+Memory stays flat: documents stream from the source in batches of ``batch_documents``, a shard is held
+in memory until ``shard_tokens`` tokens are reached and then written, so peak memory is about one shard
+whatever the corpus size. Everything is written into a temporary sibling directory renamed into place at
+the end; on any error the temporary directory is removed.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tokenizers import Encoding
+
+from poslab.data.config import DataConfig
+from poslab.data.sources import Document, document_text, open_source
+from poslab.data.tokenizer import load_tokenizer, save_tokenizer, special_ids, train_tokenizer
+from poslab.errors import DataError
+
+MANIFEST_VERSION = 1
+SENTENCE_COLUMNS = ("doc_id", "paragraph_index", "sentence_index", "sentence_in_paragraph",
+                    "sentence_start", "paragraph_start", "document_start")
+
+
+@dataclass
+class EncodedDocuments:
+    """A batch of tokenised documents, concatenated. T tokens, S sentences, D documents.
+
+    ids (T,), sentence_of_token (T,) and paragraph_of_sentence (S,) index sentences / paragraphs across the
+    whole batch (nondecreasing), doc_of_sentence (S,) and lengths (D,) tie them to documents, doc_ids (D,).
+    """
+
+    doc_ids: np.ndarray
+    lengths: np.ndarray
+    ids: np.ndarray
+    sentence_of_token: np.ndarray
+    paragraph_of_sentence: np.ndarray
+    doc_of_sentence: np.ndarray
+
+
+def _first_token(enc: Encoding, begin: int, end: int, missing: int) -> int:
+    """Index of the token holding the first character in [begin, end) that any token holds, else ``missing``."""
+    for char in range(begin, end):
+        token = enc.char_to_token(char)
+        if token is not None:
+            return token
+    return missing
+
+
+def label_documents(laid: list[tuple[str, list[int], list[int]]], encodings: list[Encoding],
+                    first_id: int) -> EncodedDocuments:
+    """Give each token of the tokenised documents (ids first_id, first_id + 1, ...) its sentence.
+
+    ``laid``: ``document_text`` of each document; ``encodings``: the tokenizer's output for those texts.
+    Sentence k starts at the token holding the first character after sentence k-1 that a token holds, as
+    the tokenizer's character alignment (``char_to_token``) says: so the whitespace between sentences,
+    when a token carries it (byte-level BPE's "Ġ", newlines), belongs to the next sentence, and characters
+    the normaliser drops are skipped. One alignment query per sentence rather than an offset pair per
+    token keeps labelling a small fraction of tokenisation time. Documents without tokens are dropped
+    (their ids stay unused); a sentence without tokens gets none.
+    """
+    keep = [i for i, e in enumerate(encodings) if e.ids]
+    encodings, laid = [encodings[i] for i in keep], [laid[i] for i in keep]
+    lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(keep))
+    ids = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), dtype=np.int64, count=int(lengths.sum()))
+    starts, base = [], 0
+    for (_, ends, _), enc, length in zip(laid, encodings, lengths.tolist()):
+        starts.append(base)
+        starts += [base + _first_token(enc, ends[k - 1], ends[k], length) for k in range(1, len(ends))]
+        base += length
+    # A sentence without tokens starts where the next one does (reverse running minimum), so that
+    # searchsorted(side="right") gives every token the last sentence starting at or before it.
+    starts = np.minimum.accumulate(np.asarray(starts, dtype=np.int64)[::-1])[::-1]
+    sentence_of_token = np.searchsorted(starts, np.arange(len(ids)), side="right") - 1
+    sentences = np.fromiter((len(ends) for _, ends, _ in laid), dtype=np.int64, count=len(keep))
+    doc_of_sentence = np.repeat(np.arange(len(keep)), sentences)
+    paragraph_base = np.cumsum([0] + [p[-1] + 1 for _, _, p in laid])[:-1]
+    paragraph_of_sentence = np.fromiter(itertools.chain.from_iterable(p for _, _, p in laid), dtype=np.int64,
+                                        count=len(starts)) + paragraph_base[doc_of_sentence]
+    return EncodedDocuments(np.asarray(keep, dtype=np.int64) + first_id, lengths, ids, sentence_of_token,
+                            paragraph_of_sentence, doc_of_sentence)
+
+
+class ShardWriter:
+    """Accumulates one split's documents and writes a shard once ``shard_tokens`` is reached (so a shard
+    holds at most ``shard_tokens`` plus one batch of documents)."""
+
+    def __init__(self, directory: Path, shard_tokens: int, token_dtype: np.dtype, sep_id: int) -> None:
+        self.directory, self.shard_tokens, self.token_dtype, self.sep_id = directory, shard_tokens, token_dtype, sep_id
+        directory.mkdir(parents=True)
+        self.shards: list[dict[str, int]] = []
+        self._reset()
+
+    def _reset(self) -> None:
+        self.tokens: list[np.ndarray] = []
+        self.rows: list[np.ndarray] = []
+        self.sentences: list[np.ndarray] = []
+        self.documents: list[np.ndarray] = []
+        self.n_tokens = self.n_sentences = self.n_documents = 0
+
+    def add(self, batch: EncodedDocuments) -> None:
+        """Append a batch: each document's tokens then [SEP], its sentence table rows, its document row."""
+        n_docs, n_sent = len(batch.lengths), len(batch.paragraph_of_sentence)
+        if not n_docs:
+            return
+        token_doc = np.repeat(np.arange(n_docs), batch.lengths)
+        position = np.arange(len(batch.ids)) + token_doc  # in the batch's stream: one [SEP] per earlier document
+        doc_start = np.cumsum(batch.lengths + 1) - batch.lengths - 1
+        stream = np.full(len(batch.ids) + n_docs, self.sep_id, dtype=self.token_dtype)
+        stream[position] = batch.ids
+        rows = np.full(len(stream), -1, dtype=np.int32)
+        rows[position] = batch.sentence_of_token + self.n_sentences
+        # A sentence starts at its first token; one without tokens (all characters normalised away) at the
+        # next token, which no label ever refers to.
+        first_token = np.minimum(np.searchsorted(batch.sentence_of_token, np.arange(n_sent)), len(position) - 1)
+        sentence_start = position[first_token]
+        sentence = np.arange(n_sent)
+        first_of_paragraph = np.searchsorted(batch.paragraph_of_sentence, batch.paragraph_of_sentence)
+        first_of_doc = np.searchsorted(batch.doc_of_sentence, batch.doc_of_sentence)
+        table = np.stack([batch.doc_ids[batch.doc_of_sentence],
+                          batch.paragraph_of_sentence - batch.paragraph_of_sentence[first_of_doc],
+                          sentence - first_of_doc,
+                          sentence - first_of_paragraph,
+                          sentence_start + self.n_tokens,
+                          sentence_start[first_of_paragraph] + self.n_tokens,
+                          doc_start[batch.doc_of_sentence] + self.n_tokens], axis=1)
+        self.tokens.append(stream)
+        self.rows.append(rows)
+        self.sentences.append(table)
+        self.documents.append(np.stack([batch.doc_ids, doc_start + self.n_tokens, batch.lengths], axis=1))
+        self.n_tokens += len(stream)
+        self.n_sentences += n_sent
+        self.n_documents += n_docs
+        if self.n_tokens >= self.shard_tokens:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.n_tokens:
+            return
+        stem = self.directory / f"{len(self.shards):05d}"
+        np.save(f"{stem}.tokens.npy", np.concatenate(self.tokens))
+        np.save(f"{stem}.rows.npy", np.concatenate(self.rows))
+        np.save(f"{stem}.sentences.npy", np.concatenate(self.sentences))
+        np.save(f"{stem}.documents.npy", np.concatenate(self.documents))
+        self.shards.append({"name": stem.name, "tokens": self.n_tokens, "sentences": self.n_sentences,
+                            "documents": self.n_documents})
+        self._reset()
+
+    def summary(self) -> dict[str, Any]:
+        self.flush()
+        return {"shards": self.shards, **{k: sum(s[k] for s in self.shards) for k in ("tokens", "sentences", "documents")}}
+
+
+def _batches(docs: Iterator[Document], size: int) -> Iterator[list[Document]]:
+    while batch := list(itertools.islice(docs, size)):
+        yield batch
+
+
+def _write(config: DataConfig, root: Path, log: Callable[[str], None]) -> dict[str, Any]:
+    source = open_source(config.source)
+    tcfg = config.tokenizer
+    if tcfg.path is not None:
+        tok, origin = load_tokenizer(tcfg.path), f"at {tcfg.path}"
+    else:
+        log(f"training a {tcfg.vocab_size}-token {tcfg.type} tokenizer on up to {tcfg.train_documents} documents")
+        texts = (document_text(d)[0] for d in itertools.islice(source.documents(), tcfg.train_documents))
+        tok, origin = train_tokenizer(tcfg, texts), f"trained ({tcfg.type})"
+    ids = special_ids(tok, tcfg, origin)
+    hf = save_tokenizer(tok, ids, tcfg, root / "tokenizer")
+    vocab_size = len(hf)
+    token_dtype = np.dtype(np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32)
+
+    writers = {"train": ShardWriter(root / "train", config.shard_tokens, token_dtype, ids.sep)}
+    if config.validation_documents:
+        writers["validation"] = ShardWriter(root / "validation", config.shard_tokens, token_dtype, ids.sep)
+    start, n_docs, pending = time.perf_counter(), 0, []
+    # Tokenisation runs in Rust with the GIL released: a worker thread encodes one batch while this thread
+    # labels and writes the previous one and reads and segments the next.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        for batch in _batches(source.documents(), config.batch_documents):
+            cut = min(len(batch), max(0, config.validation_documents - n_docs))  # the first K documents validate
+            submitted = []
+            for split, part, first in (("validation", batch[:cut], n_docs), ("train", batch[cut:], n_docs + cut)):
+                if part:
+                    laid = [document_text(d) for d in part]
+                    job = pool.submit(tok.encode_batch, [text for text, _, _ in laid], add_special_tokens=False)
+                    submitted.append((split, laid, first, job))
+            for split, laid, first, job in pending:
+                writers[split].add(label_documents(laid, job.result(), first))
+            pending, n_docs = submitted, n_docs + len(batch)
+        for split, laid, first, job in pending:
+            writers[split].add(label_documents(laid, job.result(), first))
+    seconds = time.perf_counter() - start
+    splits = {name: w.summary() for name, w in writers.items()}
+    if sum(split["tokens"] for split in splits.values()) == 0:
+        raise DataError("the corpus is empty: the source yielded no document with text")
+    if splits["train"]["tokens"] == 0:
+        raise DataError(f"no training documents: the corpus has {n_docs} documents and validation_documents takes "
+                        f"{config.validation_documents}; lower validation_documents")
+    manifest = {
+        "version": MANIFEST_VERSION,
+        "config": config.prepare_dict(),
+        "tokenizer": {"directory": "tokenizer", "vocab_size": vocab_size, "special_ids": ids.__dict__,
+                      "origin": origin},
+        "token_dtype": token_dtype.name,
+        "sentence_columns": list(SENTENCE_COLUMNS),
+        "splits": splits,
+        "documents_read": n_docs,
+        "invalid_utf8_replaced": source.invalid_utf8,
+        "seconds": round(seconds, 3),
+        "tokens_per_second": round(sum(split["tokens"] for split in splits.values()) / max(seconds, 1e-9), 1),
+    }
+    (root / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return manifest
+
+
+def prepare(config: DataConfig, out: str | Path, *, force: bool = False,
+            log: Callable[[str], None] = lambda message: None) -> dict[str, Any]:
+    """Prepare ``config``'s source into ``out`` atomically; returns the manifest.
+
+    An existing ``out`` is an error unless ``force``, in which case it is replaced only after the new
+    directory is complete.
+    """
+    if config.source is None:
+        raise DataError("nothing to prepare: the data config names 'prepared' instead of a 'source'")
+    out = Path(out)
+    if out.exists() and not force:
+        raise DataError(f"{out} already exists; choose another --out or pass --force to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        manifest = _write(config, tmp, log)
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{secrets.token_hex(4)}"
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return manifest
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("POSLAB_CACHE", Path.home() / ".cache" / "poslab")) / "data"
+
+
+def ensure_prepared(config: DataConfig, log: Callable[[str], None] = lambda message: None) -> Path:
+    """The prepared directory for ``config``: ``prepared`` itself, or a cache entry keyed by the content
+    hash of the preparation settings, prepared now if missing (concurrent preparers: the first rename
+    wins, the others discard their copy)."""
+    if config.prepared is not None:
+        path = Path(config.prepared)
+        if not (path / "manifest.json").is_file():
+            raise DataError(f"{path} is not a prepared data directory (no manifest.json); run 'poslab data prepare'")
+        return path
+    path = Path(config.cache_dir or default_cache_dir()) / config.prepare_key()
+    if not (path / "manifest.json").is_file():
+        log(f"preparing data into cache {path}")
+        try:
+            prepare(config, path, log=log)
+        except (DataError, OSError):  # another process may have renamed its copy into place first
+            if not (path / "manifest.json").is_file():
+                raise
+    return path

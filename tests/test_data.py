@@ -1,0 +1,354 @@
+"""Prepared text data: structure labels aligned to tokens, packing, masking, determinism, bad input."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from poslab.batches import BatchSource, build_batch_source
+from poslab.data import DataConfig, PreparedCorpus, build_lm_source, build_mlm_source, prepare
+from poslab.data.cli import load_data_config, register, run_prepare
+from poslab.data.rng import permute
+from poslab.data.synthetic import SyntheticCorpus
+from poslab.data.tokenizer import load_tokenizer
+from poslab.errors import ConfigError, DataError, PoslabError
+
+SYNTH = {"type": "synthetic", "documents": 120, "seed": 1, "paragraphs": [1, 4], "sentences": [1, 4]}
+TOKENIZER = {"vocab_size": 600, "train_documents": 120}
+
+
+def _config(**overrides) -> DataConfig:
+    options = {"source": SYNTH, "tokenizer": TOKENIZER, "validation_documents": 10, "shard_tokens": 3000,
+               "batch_documents": 8}  # batches straddle the validation/train cut and shard ends
+    return DataConfig.from_options({**options, **overrides})
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("data") / "prepared"
+    prepare(_config(), out)
+    return out
+
+
+def _siblings(path: Path) -> list[str]:
+    return sorted(p.name for p in path.parent.iterdir()) if path.parent.exists() else []
+
+
+# -- preparation -----------------------------------------------------------------------------------------
+
+
+def test_manifest_and_shards(prepared):
+    manifest = json.loads((prepared / "manifest.json").read_text())
+    train, validation = manifest["splits"]["train"], manifest["splits"]["validation"]
+    assert validation["documents"] == 10 and train["documents"] == 110
+    assert len(train["shards"]) > 3  # small shard_tokens forces several shards (and windows across them)
+    assert all(s["tokens"] >= 3000 for s in train["shards"][:-1])
+    assert manifest["tokenizer"]["vocab_size"] == 600 and manifest["token_dtype"] == "uint16"
+    tokens = np.load(prepared / "train" / f"{train['shards'][0]['name']}.tokens.npy", mmap_mode="r")
+    assert len(tokens) == train["shards"][0]["tokens"]
+    assert [p.name for p in prepared.parent.iterdir()] == ["prepared"]  # no temporary directory left
+
+
+def test_every_token_of_sentence_k_has_sentence_index_k(prepared):
+    """Labels come from character offsets; check them against each sentence tokenized on its own."""
+    corpus = PreparedCorpus(prepared)
+    tok = load_tokenizer(prepared / "tokenizer")
+    synthetic = SyntheticCorpus(**{k: v for k, v in SYNTH.items() if k != "type"})
+    for split in ("train", "validation"):
+        data = corpus.split(split)
+        positions = np.arange(data.n_tokens)
+        labels, ids = data.structure(positions), data.tokens(positions)
+        for doc_id in np.unique(labels["doc_id"][labels["doc_id"] >= 0])[:40]:
+            doc = synthetic.document(int(doc_id))
+            in_doc = labels["doc_id"] == doc_id
+            np.testing.assert_array_equal(labels["pos_in_document"][in_doc], np.arange(in_doc.sum()))
+            k = 0
+            for p, paragraph in enumerate(doc):
+                par_tokens = 0
+                for s, sentence in enumerate(paragraph):
+                    sel = in_doc & (labels["sentence_index"] == k)
+                    assert ids[sel].tolist() == tok.encode(sentence, add_special_tokens=False).ids
+                    assert set(labels["paragraph_index"][sel]) == {p}
+                    assert set(labels["sentence_in_paragraph"][sel]) == {s}
+                    np.testing.assert_array_equal(labels["pos_in_sentence"][sel], np.arange(sel.sum()))
+                    np.testing.assert_array_equal(labels["pos_in_paragraph"][sel], par_tokens + np.arange(sel.sum()))
+                    par_tokens += sel.sum()
+                    k += 1
+            # The document's tokens are followed by exactly one [SEP] with no labels.
+            after = np.flatnonzero(in_doc)[-1] + 1
+            assert ids[after] == corpus.special_ids["sep"] and labels["doc_id"][after] == -1
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_every_token_exactly_once_per_epoch(prepared, packing):
+    source = build_mlm_source(0, prepared=str(prepared), seq_len=37, packing=packing)
+    data = source.corpus.split("validation")
+    seen = []
+    for batch in source.eval_batches("validation", 7):
+        real = batch["doc_id"] >= 0
+        assert (batch["input_ids"][:, 0] == source.cls_id).all()
+        seen += list(zip(batch["doc_id"][real].tolist(), batch["pos_in_document"][real].tolist()))
+        if not packing:  # one document per row, closed by [SEP]
+            for i, length in enumerate(batch["attention_mask"].sum(1)):
+                assert len(set(batch["doc_id"][i][batch["doc_id"][i] >= 0].tolist())) == 1
+                assert batch["input_ids"][i, length - 1] == source.sep_id
+    labels = data.structure(np.arange(data.n_tokens))
+    expected = set(zip(labels["doc_id"][labels["doc_id"] >= 0].tolist(),
+                       labels["pos_in_document"][labels["doc_id"] >= 0].tolist()))
+    assert len(seen) == len(set(seen)) == len(expected) and set(seen) == expected
+
+
+def test_packed_sequences_are_the_stream(prepared):
+    """Packing: row i is [CLS] + the next L-1 stream tokens (documents separated by [SEP]), across shards."""
+    source = build_lm_source(0, prepared=str(prepared), seq_len=50)
+    data = source.corpus.split("train")
+    stream = data.tokens(np.arange(data.n_tokens))
+    rows = torch.cat([b["input_ids"][:, 1:] for b in source.eval_batches("train", 16)])
+    masks = torch.cat([b["attention_mask"][:, 1:] for b in source.eval_batches("train", 16)])
+    np.testing.assert_array_equal(rows[masks == 1].numpy(), stream)
+    assert source.num_sequences("train") == -(-data.n_tokens // 49)
+
+
+def test_train_order_is_a_permutation_each_epoch(prepared):
+    source = build_lm_source(5, prepared=str(prepared), seq_len=64, packing=False)
+    n = source.num_sequences("train")
+    starts = []
+    for step in range(n):  # batch size 1: step s reads sequence permute(s)
+        batch = source.train_batch(step, 1)
+        starts.append((batch["doc_id"][0, 1].item(), batch["pos_in_document"][0, 1].item()))
+    assert len(set(starts)) == n
+
+
+@given(st.integers(1, 5000), st.integers(0, 2**31))
+@settings(max_examples=40, deadline=None)
+def test_permute_is_a_bijection(n, key):
+    out = permute(np.arange(n), n, key, 0)
+    assert sorted(out.tolist()) == list(range(n))
+
+
+# -- masking and labels ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("style, rate, mask_share, random_share", [("neobert", 0.20, 1.0, 0.0),
+                                                                   ("bert", 0.15, 0.8, 0.1)])
+def test_masking_rates_and_specials(prepared, style, rate, mask_share, random_share):
+    source = build_mlm_source(0, prepared=str(prepared), seq_len=64, packing=False, masking={"style": style})
+    assert isinstance(source, BatchSource)
+    clean = build_lm_source(0, prepared=str(prepared), seq_len=64, packing=False)
+    chosen = maskable = as_mask = as_random = 0
+    for step in range(20):
+        batch, original = source.train_batch(step, 32), clean.train_batch(step, 32)["input_ids"]
+        special = torch.isin(original, torch.tensor([source.cls_id, source.sep_id, source.pad_token_id]))
+        picked = batch["labels"] != -100
+        assert not (picked & special).any()  # special tokens are never masked ...
+        assert torch.equal(batch["input_ids"][special], original[special])  # ... nor changed
+        assert torch.equal(batch["labels"][picked], original[picked])
+        assert torch.equal(batch["input_ids"][~picked], original[~picked])
+        chosen += picked.sum().item()
+        maskable += (~special).sum().item()
+        as_mask += (batch["input_ids"][picked] == source.mask_token_id).sum().item()
+        as_random += (batch["input_ids"][picked] != original[picked]).sum().item() - \
+            (batch["input_ids"][picked] == source.mask_token_id).sum().item()
+    assert maskable > 20000
+    assert abs(chosen / maskable - rate) < 0.01
+    assert abs(as_mask / chosen - mask_share) < 0.03
+    assert abs(as_random / chosen - random_share) < 0.03
+
+
+def test_masking_rate_is_configurable(prepared):
+    source = build_mlm_source(0, prepared=str(prepared), masking={"style": "bert", "rate": 0.4})
+    batch = source.train_batch(0, 64)
+    real = batch["doc_id"] >= 0
+    assert abs((batch["labels"][real] != -100).float().mean().item() - 0.4) < 0.02
+
+
+def test_batches_are_a_function_of_seed_and_step(prepared):
+    a = build_mlm_source(3, prepared=str(prepared), seq_len=48)
+    b = build_mlm_source(3, prepared=str(prepared), seq_len=48)  # a resumed run builds a fresh source
+    x, y = a.train_batch(7, 8), b.train_batch(7, 8)
+    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    assert not torch.equal(a.train_batch(8, 8)["labels"], x["labels"])
+    assert not torch.equal(build_mlm_source(4, prepared=str(prepared), seq_len=48).train_batch(7, 8)["input_ids"],
+                           x["input_ids"])
+    # Data-parallel ranks' shares concatenate to the single-process batch.
+    shares = [a.train_batch(7, 8, rank=r, world_size=4) for r in range(4)]
+    assert all(torch.equal(torch.cat([s[k] for s in shares]), x[k]) for k in x)
+    # Evaluation masks do not depend on the batch size.
+    e1 = torch.cat([bt["labels"] for bt in a.eval_batches("validation", 3)])
+    e2 = torch.cat([bt["labels"] for bt in a.eval_batches("validation", 5)])
+    assert torch.equal(e1, e2)
+
+
+def test_lm_labels_and_batch_keys(prepared):
+    source = build_batch_source("lm", seed=0, prepared=str(prepared), seq_len=40, packing=False)
+    batch = source.train_batch(0, 6)
+    assert set(batch) == {"input_ids", "labels", "attention_mask", "doc_id", "paragraph_index", "sentence_index",
+                          "sentence_in_paragraph", "pos_in_sentence", "pos_in_paragraph", "pos_in_document",
+                          "abs_position"}
+    assert all(v.shape == (6, 40) and v.dtype == torch.long for v in batch.values())
+    real = batch["attention_mask"] == 1
+    assert torch.equal(batch["labels"][real], batch["input_ids"][real]) and (batch["labels"][~real] == -100).all()
+    assert (batch["input_ids"][~real] == source.pad_token_id).all()
+    assert torch.equal(batch["abs_position"][real], torch.arange(40).expand(6, 40)[real])
+    assert source.vocab_size == 600 == len(source.tokenizer)
+    lean = build_lm_source(0, prepared=str(prepared), seq_len=40, structure_labels=False).train_batch(0, 2)
+    assert set(lean) == {"input_ids", "labels", "attention_mask"}
+
+
+# -- tokenizers --------------------------------------------------------------------------------------------
+
+
+def test_bpe_labels_align(tmp_path):
+    out = tmp_path / "bpe"
+    prepare(_config(tokenizer={"type": "bpe", "vocab_size": 400, "train_documents": 50, "lowercase": False}, validation_documents=0), out)
+    source = build_mlm_source(0, prepared=str(out), seq_len=64)
+    data, tok = source.corpus.split("train"), source.tokenizer
+    labels, ids = data.structure(np.arange(data.n_tokens)), data.tokens(np.arange(data.n_tokens))
+    synthetic = SyntheticCorpus(**{k: v for k, v in SYNTH.items() if k != "type"})
+    paragraphs_seen = 0
+    for doc_id in range(6):
+        doc = synthetic.document(doc_id)
+        paragraphs_seen += len(doc) - 1
+        # Byte-level BPE keeps whitespace: the separator before a sentence belongs to it, exactly.
+        expected = [("" if p == s == 0 else " " if s else "\n\n") + sentence
+                    for p, paragraph in enumerate(doc) for s, sentence in enumerate(paragraph)]
+        for k, sentence in enumerate(expected):
+            in_sentence = (labels["doc_id"] == doc_id) & (labels["sentence_index"] == k)
+            assert tok.decode(ids[in_sentence].tolist()) == sentence
+    assert paragraphs_seen > 3
+
+
+def test_local_tokenizer_directory_and_missing_specials(prepared, tmp_path):
+    out = tmp_path / "reuse"
+    manifest = prepare(_config(tokenizer={"path": str(prepared / "tokenizer")}), out)
+    assert manifest["tokenizer"]["vocab_size"] == 600
+    assert (np.load(out / "train" / "00000.tokens.npy") == np.load(prepared / "train" / "00000.tokens.npy")).all()
+    # A tokenizer lacking [MASK] is rejected before anything is written.
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    bare = Tokenizer(models.WordLevel({"[CLS]": 0, "[SEP]": 1, "[PAD]": 2, "[UNK]": 3, "a": 4}, unk_token="[UNK]"))
+    bare.pre_tokenizer = pre_tokenizers.Whitespace()
+    (tmp_path / "bare").mkdir()
+    bare.save(str(tmp_path / "bare" / "tokenizer.json"))
+    with pytest.raises(DataError, match=r"no mask token '\[MASK\]'"):
+        prepare(_config(tokenizer={"path": str(tmp_path / "bare")}), tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+    # ... unless the data is for a causal LM and says so.
+    prepare(_config(tokenizer={"path": str(tmp_path / "bare"), "special_tokens": {"mask": None}}), tmp_path / "y")
+    with pytest.raises(DataError, match="no mask token"):
+        build_mlm_source(0, prepared=str(tmp_path / "y"))
+    with pytest.raises(DataError, match="no tokenizer at"):
+        prepare(_config(tokenizer={"path": str(tmp_path / "nothing")}), tmp_path / "z")
+
+
+# -- bad input ---------------------------------------------------------------------------------------------
+
+
+def test_bad_input_leaves_nothing_behind(tmp_path):
+    out = tmp_path / "out" / "data"
+    with pytest.raises(DataError, match="no such file"):
+        prepare(_config(source={"type": "text", "paths": str(tmp_path / "missing.txt")}), out)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n   \n")
+    with pytest.raises(DataError, match="corpus is empty"):
+        prepare(_config(source={"type": "text", "paths": str(empty)}), out)
+    # Failure after shards were written (a broken line late in the file) removes the partial directory.
+    broken = tmp_path / "c.jsonl"
+    broken.write_text("".join(json.dumps({"text": f"Doc number {i}. Ends here."}) + "\n" for i in range(300)) + "{oops\n")
+    with pytest.raises(DataError, match="c.jsonl:301: invalid JSON"):
+        prepare(_config(source={"type": "jsonl", "paths": str(broken)}, tokenizer={**TOKENIZER, "train_documents": 5},
+                        batch_documents=16, shard_tokens=50), out)
+    assert _siblings(out) == []
+    with pytest.raises(DataError, match="validation_documents takes 10"):
+        prepare(_config(source={**SYNTH, "documents": 10}), out)
+    assert _siblings(out) == []
+
+
+def test_existing_output_needs_force(prepared, tmp_path):
+    out = tmp_path / "d"
+    prepare(_config(source={**SYNTH, "documents": 30}), out)
+    with pytest.raises(DataError, match="already exists"):
+        prepare(_config(), out)
+    prepare(_config(source={**SYNTH, "documents": 40}), out, force=True)
+    assert json.loads((out / "manifest.json").read_text())["documents_read"] == 40
+    assert _siblings(out) == ["d"]
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"seq_len": 1}, "seq_len must be an integer >= 2"),
+    ({"seq_len": 2, "packing": False}, "seq_len must be >= 3 with packing: false"),
+    ({"masking": {"style": "bret"}}, "did you mean 'bert'"),
+    ({"masking": {"rate": 1.5}}, r"masking.rate must lie in \(0, 1\)"),
+    ({"seqlen": 5}, "did you mean 'seq_len'"),
+    ({"tokenizer": {"type": "sentencepiece"}}, "unknown tokenizer type"),
+])
+def test_config_errors(options, message):
+    with pytest.raises(ConfigError, match=message):
+        _config(**options)
+
+
+def test_source_level_errors(prepared):
+    with pytest.raises(ConfigError, match="masking applies to masked-LM data"):
+        build_lm_source(0, prepared=str(prepared), masking={"style": "bert"})
+    with pytest.raises(DataError, match="not a prepared data directory"):
+        build_mlm_source(0, prepared=str(prepared / "train"))
+    with pytest.raises(DataError, match="unknown split"):
+        next(build_mlm_source(0, prepared=str(prepared)).eval_batches("test", 4))
+    with pytest.raises(ConfigError, match="multiple of world_size"):
+        build_mlm_source(0, prepared=str(prepared)).train_batch(0, 6, rank=0, world_size=4)
+
+
+def test_on_the_fly_preparation_is_cached(tmp_path):
+    options = {"source": {**SYNTH, "documents": 20}, "tokenizer": TOKENIZER, "cache_dir": str(tmp_path), "seq_len": 32}
+    first = build_mlm_source(0, **options)
+    entries = list(tmp_path.iterdir())
+    assert len(entries) == 1 and (entries[0] / "manifest.json").is_file()
+    stamp = os.stat(entries[0] / "manifest.json").st_mtime_ns
+    second = build_lm_source(1, **options)  # same preparation settings: same cache entry, not prepared again
+    assert os.stat(entries[0] / "manifest.json").st_mtime_ns == stamp and list(tmp_path.iterdir()) == entries
+    assert first.vocab_size == second.vocab_size
+
+
+# -- command line ------------------------------------------------------------------------------------------
+
+
+def test_cli_prepare(tmp_path, capsys):
+    import argparse
+
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"First sentence here. Second \xff one.\n\nNew paragraph.\n")
+    config = tmp_path / "run.yaml"
+    config.write_text(f"seed: 0\ndata:\n  kind: mlm\n  source: {{type: text, paths: {bad}}}\n"
+                      "  tokenizer: {vocab_size: 100, min_frequency: 1}\n")
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["data", "prepare", str(config), "--out", str(tmp_path / "o"),
+                              "--set", "tokenizer.type=bpe", "--set", "seq_len=16"])
+    assert args.func(args) == 0
+    out, err = capsys.readouterr()
+    assert "train: 1 documents, 3 sentences" in out and "replaced 1 invalid UTF-8" in err
+    assert json.loads((tmp_path / "o" / "manifest.json").read_text())["invalid_utf8_replaced"] == 1
+    with pytest.raises(PoslabError, match="no such config file"):
+        load_data_config(str(tmp_path / "none.yaml"), [])
+    with pytest.raises(ConfigError, match="seq_len must be an integer >= 2"):
+        run_prepare(parser.parse_args(["data", "prepare", str(config), "--out", str(tmp_path / "p"),
+                                       "--set", "seq_len=1"]))
+    assert not (tmp_path / "p").exists()
+
+
+def test_shipped_data_configs_validate():
+    configs = Path(__file__).resolve().parents[1] / "src" / "poslab" / "configs" / "data"
+    names = sorted(p.name for p in configs.glob("*.yaml"))
+    assert {"mlm_quick.yaml", "mlm_paper.yaml", "lm_quick.yaml"} <= set(names)
+    for name in names:
+        config = load_data_config(str(configs / name), [])
+        assert config.source is not None
+    paper = load_data_config(str(configs / "mlm_paper.yaml"), [])
+    assert paper.source["name"] == "HuggingFaceFW/fineweb" and paper.source["streaming"] is True
+    assert paper.tokenizer.vocab_size == 30522 and paper.masking.rate == 0.2
