@@ -115,18 +115,30 @@ def variance_features(h: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------- ridge probe
 
-def _token_index(valid: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Flat indices (into x.view(-1, d)) of the valid tokens of sequences ``rows``, in order."""
-    seq, pos = valid[rows].nonzero(as_tuple=True)
-    return rows[seq] * valid.shape[1] + pos
+def _chunks(x: torch.Tensor, y: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor, center: torch.Tensor,
+            chunk_tokens: int):
+    """(x - center, y) for the valid tokens of sequences ``rows``, about ``chunk_tokens`` at a time.
 
-
-def _chunks(x: torch.Tensor, y: torch.Tensor, index: torch.Tensor, center: torch.Tensor, chunk_tokens: int):
-    """(x - center, y) for successive slices of the token index; x rows are gathered, never the whole split."""
-    flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
-    for i in range(0, len(index), chunk_tokens):
-        idx = index[i:i + chunk_tokens]
-        yield flat_x.index_select(0, idx).float().sub_(center), flat_y.index_select(0, idx).double()
+    Each sequence is written once, already centred, into one reused buffer (a fully valid sequence is
+    read as a view): on a memory-bound machine a gather followed by a subtraction costs twice as much.
+    The buffer is overwritten by the next chunk, so use each chunk before asking for the next.
+    """
+    n, d = x.shape[1], x.shape[-1]
+    buf = torch.empty(chunk_tokens + n, d, dtype=torch.float32, device=x.device)
+    counts = valid[rows].sum(-1).tolist()
+    fill, ys = 0, []
+    for r, count in zip(rows.tolist(), counts):
+        if count == 0:
+            continue
+        keep = slice(None) if count == n else valid[r]
+        torch.sub(x[r][keep], center, out=buf[fill:fill + count])
+        ys.append(y[r][keep])
+        fill += count
+        if fill >= chunk_tokens:
+            yield buf[:fill], torch.cat(ys).double()
+            fill, ys = 0, []
+    if fill:
+        yield buf[:fill], torch.cat(ys).double()
 
 
 def _gram(xs: torch.Tensor, width: int = 192) -> torch.Tensor:
@@ -144,17 +156,19 @@ def _gram(xs: torch.Tensor, width: int = 192) -> torch.Tensor:
     return out
 
 
-def _fit_moments(x, y, index, center, chunk_tokens):
+def _fit_moments(x, y, valid, rows, center, chunk_tokens):
     """Token count and sums of x, y, x x^T, x y^T over the training tokens (float32 products, float64 sums)."""
     d, t = x.shape[-1], y.shape[-1]
     xx, xy = torch.zeros(d, d, dtype=torch.float64), torch.zeros(d, t, dtype=torch.float64)
     sx, sy = torch.zeros(d, dtype=torch.float64), torch.zeros(t, dtype=torch.float64)
-    for xs, ys in _chunks(x, y, index, center, chunk_tokens):
+    count = 0
+    for xs, ys in _chunks(x, y, valid, rows, center, chunk_tokens):
+        count += xs.shape[0]
         xx += _gram(xs).double()
         xy += (xs.T @ ys.float()).double()
         sx += xs.sum(0).double()
         sy += ys.sum(0)
-    return len(index), sx, sy, xx, xy
+    return count, sx, sy, xx, xy
 
 
 def _ridge_path(n, sx, sy, xx, xy, alphas):
@@ -172,20 +186,21 @@ def _ridge_path(n, sx, sy, xx, xy, alphas):
     return w, my.repeat(len(alphas)) - mx @ w
 
 
-def _scores(x, y, index, center, w, b, chunk_tokens):
+def _scores(x, y, valid, rows, center, w, b, chunk_tokens):
     """Per column of w: the sum of squared errors of y (tiled to w's columns), and the target's own
-    sum of squares about its mean, over the tokens of ``index``."""
+    sum of squares about its mean, and the token count, over the valid tokens of sequences ``rows``."""
     t = y.shape[-1]
     reps = w.shape[1] // t
     sse = torch.zeros(w.shape[1], dtype=torch.float64)
     sy, syy = torch.zeros(t, dtype=torch.float64), torch.zeros(t, dtype=torch.float64)
-    w32 = w.float()
-    for xs, ys in _chunks(x, y, index, center, chunk_tokens):
+    w32, count = w.float(), 0
+    for xs, ys in _chunks(x, y, valid, rows, center, chunk_tokens):
+        count += xs.shape[0]
         pred = (xs @ w32).double() + b
         sse += ((ys.repeat(1, reps) - pred) ** 2).sum(0)
         sy += ys.sum(0)
         syy += (ys**2).sum(0)
-    return sse, syy - sy**2 / max(len(index), 1)
+    return sse, syy - sy**2 / max(count, 1), count
 
 
 def ridge_probe(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, split: SequenceSplit,
@@ -200,20 +215,21 @@ def ridge_probe(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, split: Seq
     """
     y = y[..., None] if y.dim() == 2 else y
     valid = valid_targets(y, mask)
-    train, val, test = (_token_index(valid, rows) for rows in (split.train, split.val, split.test))
-    if min(len(train), len(val), len(test)) == 0:
+    if not all(valid[rows].any() for rows in (split.train, split.val, split.test)):
         raise DataError("too few probe targets: a split of the sequences has no valid token; analyse more sequences")
-    # Any constant shift works; the mean of a first slice keeps the float32 products well conditioned.
-    center = x.reshape(-1, x.shape[-1]).index_select(0, train[:chunk_tokens]).float().mean(0)
-    w, b = _ridge_path(*_fit_moments(x, y, train, center, chunk_tokens), alphas)
+    # Any constant shift works; the mean of the first training sequence keeps float32 products well conditioned.
+    first = next(int(r) for r in split.train if valid[r].any())
+    center = x[first][valid[first]].float().mean(0)
+    n_fit, *moments = _fit_moments(x, y, valid, split.train, center, chunk_tokens)
+    w, b = _ridge_path(n_fit, *moments, alphas)
     t = y.shape[-1]
-    val_sse, _ = _scores(x, y, val, center, w, b, chunk_tokens)
+    val_sse, _, n_val = _scores(x, y, valid, split.val, center, w, b, chunk_tokens)
     best = val_sse.view(len(alphas), t).argmin(0)
     cols = best * t + torch.arange(t)
-    test_sse, test_ss = _scores(x, y, test, center, w[:, cols], b[cols], chunk_tokens)
+    test_sse, test_ss, n_test = _scores(x, y, valid, split.test, center, w[:, cols], b[cols], chunk_tokens)
     r2 = 1 - test_sse / test_ss.clamp(min=1e-12)
-    return {"r2": r2.tolist(), "alpha": [alphas[int(a)] for a in best], "train_tokens": len(train),
-            "val_tokens": len(val), "test_tokens": len(test), "test_sequences": len(split.test)}
+    return {"r2": r2.tolist(), "alpha": [alphas[int(a)] for a in best], "train_tokens": n_fit,
+            "val_tokens": n_val, "test_tokens": n_test, "test_sequences": len(split.test)}
 
 
 # ------------------------------------------------------------------------------------ trained probes
