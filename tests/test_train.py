@@ -323,8 +323,7 @@ def test_cli_writes_run_and_plain_progress_lines(tmp_path, capsys):
         args.func(args)  # the run exists: refused without --resume/--overwrite
 
 
-def test_cli_errors_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(poslab.cli, "COMMAND_MODULES", ["poslab.train.cli"])
+def test_cli_errors_are_one_line_and_exit_2(tmp_path, capsys):
     path = write_config(tmp_path / "c.yaml", tiny_config(steps=1))
     (tmp_path / "bad.yaml").write_text("train: {steps: [1\n")
     cases = [
