@@ -124,14 +124,16 @@ def adjacency_row_scores(sim: torch.Tensor) -> torch.Tensor:
     # Stable partition by row: the first row's values take ranks 0..a-1, the second's a..T-1.
     dest = torch.where(from_second, split - 1 + from_second.cumsum(-1), (~from_second).cumsum(-1) - 1)
     rank = torch.empty_like(order).scatter_(-1, order, dest)
-    # Ties: in partitioned order, a run of equal values that stays inside one row.
-    part = torch.empty_like(sorted_vals).scatter_(-1, dest, sorted_vals)
-    new_run = torch.ones_like(part, dtype=torch.bool)
-    new_run[:, 1:] = (part[:, 1:] != part[:, :-1]) | (t[None, 1:] == split)
-    run_start = torch.where(new_run, t, 0).cummax(dim=-1).values
-    tied_before = t - run_start  # each value ties with this many before it in its run
-    ties_first = torch.where(second, 0, tied_before).sum(-1)
-    ties_second = tied_before.sum(-1) - ties_first
+    ties_first = ties_second = torch.zeros(R, dtype=torch.long, device=dev)
+    if bool((sorted_vals[:, 1:] == sorted_vals[:, :-1]).any()):  # float similarities rarely tie; skip if none
+        # In partitioned order, a run of equal values that stays inside one row ties pairwise.
+        part = torch.empty_like(sorted_vals).scatter_(-1, dest, sorted_vals)
+        new_run = torch.ones_like(part, dtype=torch.bool)
+        new_run[:, 1:] = (part[:, 1:] != part[:, :-1]) | (t[None, 1:] == split)
+        run_start = torch.where(new_run, t, 0).cummax(dim=-1).values
+        tied_before = t - run_start  # each value ties with this many before it in its run
+        ties_first = torch.where(second, 0, tied_before).sum(-1)
+        ties_second = tied_before.sum(-1) - ties_first
 
     N = 1 << max(0, (T - 1).bit_length())
     pad = torch.arange(T, N, device=dev).expand(R, N - T)  # ranked above everything: the pad at t adds t
