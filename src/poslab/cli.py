@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     "poslab.train.cli",
     "poslab.analysis.cli",
     "poslab.models.dstg",
+    "poslab.experiments.cli",
 ]
 
 

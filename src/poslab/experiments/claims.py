@@ -1,0 +1,59 @@
+"""Claims: a paper's statement, its figure, ours, and whether it held -- computed, never typed in.
+
+A ``Claim`` is built by a comparison helper from measured values, so ``held`` always follows from the
+numbers in the same record.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Claim:
+    claim: str
+    paper: Any
+    ours: Any
+    held: bool
+    rule: str  # the test that decided ``held``, in words, so a reader can check it
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _finite(*values: float) -> bool:
+    return all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
+
+
+def at_least(claim: str, paper: Any, ours: float, threshold: float) -> Claim:
+    return Claim(claim, paper, _round(ours), _finite(ours) and ours >= threshold, f"ours >= {threshold:g}")
+
+
+def at_most(claim: str, paper: Any, ours: float, threshold: float) -> Claim:
+    return Claim(claim, paper, _round(ours), _finite(ours) and ours <= threshold, f"ours <= {threshold:g}")
+
+
+def within(claim: str, paper: Any, ours: float, low: float, high: float) -> Claim:
+    return Claim(claim, paper, _round(ours), _finite(ours) and low <= ours <= high, f"{low:g} <= ours <= {high:g}")
+
+
+def exceeds(claim: str, paper: Any, ours: dict[str, float], better: str, worse: str, margin: float = 0.0) -> Claim:
+    """ours[better] > ours[worse] + margin."""
+    a, b = ours[better], ours[worse]
+    held = _finite(a, b) and a > b + margin
+    return Claim(claim, paper, {k: _round(v) for k, v in ours.items()}, held,
+                 f"{better} > {worse}" + (f" + {margin:g}" if margin else ""))
+
+
+def all_of(claim: str, paper: Any, ours: dict[str, float], threshold: float, above: bool = True) -> Claim:
+    """Every value >= threshold (above) or <= threshold (not above)."""
+    held = all(_finite(v) and (v >= threshold if above else v <= threshold) for v in ours.values())
+    rule = f"every value {'>=' if above else '<='} {threshold:g}"
+    return Claim(claim, paper, {k: _round(v) for k, v in ours.items()}, held, rule)
+
+
+def _round(value: Any) -> Any:
+    if isinstance(value, float):
+        return round(value, 4)
+    return value

@@ -1,0 +1,32 @@
+"""``poslab reproduce NAME|all --scale quick|paper --out DIR`` and ``poslab reproduce --list``."""
+from __future__ import annotations
+
+import argparse
+
+from poslab.errors import PoslabError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("reproduce", help="reproduce the papers' headline claims and write a report")
+    p.add_argument("names", nargs="*", metavar="NAME", help="recipe names, or 'all'")
+    p.add_argument("--scale", default="quick", help="quick (CPU minutes) or paper (GPUs, torchrun)")
+    p.add_argument("--out", default="runs/reproduce", help="output directory (default runs/reproduce)")
+    p.add_argument("--force", action="store_true", help="redo recipes that already finished in --out")
+    p.add_argument("--list", action="store_true", help="list the recipes and exit")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from poslab.experiments.runner import RECIPES, reproduce
+
+    if args.list:
+        for name, (_, description) in RECIPES.items():
+            print(f"{name}\t{description}")
+        return 0
+    if not args.names:
+        raise PoslabError("name a recipe or 'all' (see 'poslab reproduce --list')")
+    data = reproduce(args.names, args.scale, args.out, force=args.force)
+    held = sum(c["held"] for r in data["recipes"].values() for c in r["claims"])
+    total = sum(len(r["claims"]) for r in data["recipes"].values())
+    print(f"{held}/{total} claims held; report: {args.out}/report.md")
+    return 0

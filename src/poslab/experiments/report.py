@@ -1,0 +1,62 @@
+"""report.md from results.json: per recipe, the claims table (paper, ours, held), tables, figures."""
+from __future__ import annotations
+
+from typing import Any
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {_fmt(v)}" for k, v in value.items())
+    if isinstance(value, list):
+        return ", ".join(_fmt(v) for v in value)
+    return str(value)
+
+
+def _table(columns: list[str], rows: list[list[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_fmt(c).replace("|", "/") for c in row) + " |" for row in rows]
+    return lines
+
+
+def summary_rows(data: dict[str, Any]) -> list[list[Any]]:
+    rows = []
+    for name, rec in data["recipes"].items():
+        for claim in rec["claims"]:
+            rows.append([name, claim["claim"], claim["paper"], claim["ours"],
+                         "yes" if claim["held"] else "**no**"])
+    return rows
+
+
+def render_report(data: dict[str, Any]) -> str:
+    m = data["machine"]
+    total = sum(len(r["claims"]) for r in data["recipes"].values())
+    held = sum(c["held"] for r in data["recipes"].values() for c in r["claims"])
+    lines = [
+        f"# poslab reproduction ({data['scale']} scale)",
+        "",
+        f"{data['date']} on {m['processor']}, {m['cpus']} CPUs ({m['torch_threads']} torch threads)"
+        + (f", GPUs: {', '.join(m['gpus'])}" if m.get("gpus") else "")
+        + f", torch {m['torch']}; {data['seconds']:.0f} s in all. **{held} of {total} claims held.**",
+        "",
+        "Every number below was measured by `poslab reproduce` in this run; `held` is computed from the",
+        "measured values by the rule shown. Quick scale trains tiny models for minutes on a CPU: a claim",
+        "that does not hold there is reported as not held, with what was tried.",
+        "",
+        "## Summary",
+        "",
+        *_table(["recipe", "claim", "paper", "ours", "held"], summary_rows(data)),
+    ]
+    for name, rec in data["recipes"].items():
+        lines += ["", f"## {name} ({rec['seconds']:.0f} s)", ""]
+        lines += _table(["claim", "paper", "ours", "rule", "held"],
+                        [[c["claim"], c["paper"], c["ours"], c["rule"], "yes" if c["held"] else "**no**"]
+                         for c in rec["claims"]])
+        for table in rec.get("tables", []):
+            lines += ["", f"**{table['title']}**", "", *_table(table["columns"], table["rows"])]
+        for note in rec.get("notes", []):
+            lines += ["", note]
+        for fig in rec.get("figures", []):
+            lines += ["", f"![{fig}]({fig})"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,142 @@
+"""Runs reproduction recipes, keeps what finished, and writes results.json and report.md.
+
+Each recipe writes into DIR/<recipe>/ and ends with DIR/<recipe>/result.json; a rerun skips recipes
+whose result exists for the same scale, so an interrupted ``reproduce all`` resumes instead of
+redoing work. results.json and report.md are rewritten (atomically) after every recipe.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import platform
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from poslab.errors import ConfigError, PoslabError, unknown_key_message
+from poslab.experiments.claims import Claim
+
+SCALES = ("quick", "paper", "smoke")  # smoke: seconds-long runs that exercise a recipe in tests
+
+# name -> ("module:function", one-line description). The function takes (scale, out_dir, log).
+RECIPES: dict[str, tuple[str, str]] = {
+    "adjacency": ("poslab.experiments.adjacency:run",
+                  "NoPE decoders: adjacency score per layer, init ablation, bidirectional control, probes"),
+    "dstg": ("poslab.experiments.dstg:run",
+             "MLM pretraining of DSTG and its baselines: AP spectra, head taxonomy, structure probes"),
+}
+
+
+@dataclass
+class RecipeResult:
+    name: str
+    scale: str
+    claims: list[Claim]
+    seconds: float = 0.0
+    figures: list[str] = field(default_factory=list)  # paths relative to the reproduction directory
+    tables: list[dict[str, Any]] = field(default_factory=list)  # {"title", "columns", "rows"}
+    notes: list[str] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"claims": [c.to_dict() for c in self.claims], "seconds": round(self.seconds, 1),
+                "scale": self.scale, "figures": self.figures, "tables": self.tables, "notes": self.notes,
+                "details": self.details}
+
+
+def machine() -> dict[str, Any]:
+    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "python": platform.python_version()}
+    if torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+def resolve(names: list[str]) -> list[str]:
+    if names == ["all"]:
+        return list(RECIPES)
+    for name in names:
+        if name not in RECIPES:
+            raise ConfigError(unknown_key_message("recipe", name, list(RECIPES) + ["all"]))
+    return names
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write via a temporary file and rename, so readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=2, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_finished(out: Path, name: str, scale: str) -> dict[str, Any] | None:
+    path = out / name / "result.json"
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None  # torn by a crash mid-write before rename cannot happen, but a hand edit can
+    return data if data.get("scale") == scale else None
+
+
+def check_writable(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-")
+        probe.close()
+    except OSError as err:
+        raise PoslabError(f"cannot write to output directory {out}: {err.strerror}; choose another --out") from None
+
+
+def reproduce(names: list[str], scale: str, out: str | Path, force: bool = False,
+              log: Callable[[str], None] = print) -> dict[str, Any]:
+    if scale not in SCALES:
+        raise ConfigError(f"--scale must be one of {', '.join(SCALES)}, got '{scale}'")
+    names = resolve(names)
+    out = Path(out)
+    check_writable(out)
+    results_path = out / "results.json"
+    results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    recipes = results.get("recipes", {}) if results.get("scale") == scale else {}
+    for name in names:
+        finished = None if force else load_finished(out, name, scale)
+        if finished is not None:
+            log(f"[{name}] already finished ({finished['seconds']:.0f} s); skipping (use --force to redo)")
+            recipes[name] = finished
+            continue
+        log(f"[{name}] running at {scale} scale: {RECIPES[name][1]}")
+        module, fn = RECIPES[name][0].split(":")
+        start = time.perf_counter()
+        result: RecipeResult = getattr(importlib.import_module(module), fn)(scale, out / name, log)
+        result.seconds = time.perf_counter() - start
+        record = result.to_dict()
+        write_json(out / name / "result.json", record)
+        recipes[name] = record
+        held = sum(c.held for c in result.claims)
+        log(f"[{name}] done in {result.seconds:.0f} s: {held}/{len(result.claims)} claims held")
+        _write_all(out, scale, recipes)
+    _write_all(out, scale, recipes)
+    return {"recipes": recipes, "scale": scale}
+
+
+def _write_all(out: Path, scale: str, recipes: dict[str, Any]) -> None:
+    from poslab.experiments.report import render_report
+
+    order = [n for n in RECIPES if n in recipes]
+    data = {"recipes": {n: recipes[n] for n in order}, "scale": scale, "machine": machine(),
+            "seconds": round(sum(recipes[n]["seconds"] for n in order), 1),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    write_json(out / "results.json", data)
+    tmp = out / ".report.md.tmp"
+    tmp.write_text(render_report(data))
+    os.replace(tmp, out / "report.md")
