@@ -27,6 +27,11 @@ SCALES = ("quick", "paper", "smoke")  # smoke: seconds-long runs that exercise a
 RECIPES: dict[str, tuple[str, str]] = {
     "adjacency": ("poslab.experiments.adjacency:run",
                   "NoPE decoders: adjacency score per layer, init ablation, bidirectional control, probes"),
+    "indirect-indexing": ("poslab.experiments.indirect_indexing:run",
+                          "PoPE vs RoPE (and other schemes) on the indirect-indexing diagnostic"),
+    "extrapolation": ("poslab.experiments.extrapolation:run",
+                      "train at length L, evaluate to 10L: PoPE vs RoPE vs RoPE+YaRN"),
+    "frequencies": ("poslab.experiments.frequencies:run", "frequency-usage heatmaps, RoPE vs PoPE"),
     "dstg": ("poslab.experiments.dstg:run",
              "MLM pretraining of DSTG and its baselines: AP spectra, head taxonomy, structure probes"),
 }

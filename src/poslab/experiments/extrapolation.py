@@ -1,0 +1,92 @@
+"""Length extrapolation (papers/pope.md): decoders trained at length L, evaluated zero-shot up to 10L.
+
+PoPE and RoPE language models are trained on the same text at sequence length L; RoPE is also
+evaluated with YaRN (and linear / dynamic-NTK) scaling applied at evaluation time. The paper's claim:
+PoPE stays flat where RoPE degrades. The PoPE and RoPE runs are reused by the frequencies recipe.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+from poslab.analysis.commands import Options, extrapolation as extrapolation_analysis
+from poslab.analysis.runs import Run
+from poslab.experiments import claims
+from poslab.experiments.common import ensure_run, rel
+from poslab.experiments.runner import RecipeResult
+
+DATA_DIR = Path(__file__).resolve().parents[1] / "configs" / "data"
+SCHEMES = ("pope", "rope")
+
+SCALES = {
+    "quick": {"data": "lm_quick.yaml", "documents": 3000, "tokenizer_documents": 1000, "seq_len": 64,
+              "model": {"d_model": 128, "n_layers": 2, "n_heads": 4},
+              "train": {"steps": 400, "batch_size": 32, "lr": 2e-3, "min_lr": 2e-4, "warmup_steps": 40},
+              "factors": (1, 2, 4, 8, 10), "sequences": 32},
+    "smoke": {"data": "lm_quick.yaml", "documents": 60, "tokenizer_documents": 30, "seq_len": 16,
+              "model": {"d_model": 32, "n_layers": 1, "n_heads": 2},
+              "train": {"steps": 3, "batch_size": 8, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 1},
+              "factors": (1, 2), "sequences": 8},
+    # The paper trains 124M-774M models at 1024 tokens on OpenWebText and evaluates on PG-19 up to 10240.
+    "paper": {"data": "lm_quick.yaml", "documents": None, "tokenizer_documents": None, "seq_len": 1024,
+              "model": {"d_model": 768, "n_layers": 12, "n_heads": 12},
+              "train": {"steps": 100000, "batch_size": 512, "lr": 6e-4, "min_lr": 6e-5, "warmup_steps": 2000,
+                        "betas": [0.9, 0.95]},
+              "factors": (1, 2, 4, 6, 8, 10), "sequences": 256},
+}
+
+
+def run_config(scale: dict, scheme: str, out: Path) -> dict:
+    data = yaml.safe_load((DATA_DIR / scale["data"]).read_text())
+    data.pop("structure_labels", None)
+    data["seq_len"] = scale["seq_len"]
+    if scale["documents"] is not None:
+        data["source"]["documents"] = scale["documents"]
+        data["tokenizer"]["train_documents"] = scale["tokenizer_documents"]
+        data["validation_documents"] = max(8, scale["documents"] // 10)
+    return {
+        "seed": 0,
+        "model": {"arch": "decoder", "vocab_size": None, "max_seq_len": scale["seq_len"], "norm": "rmsnorm",
+                  "mlp": "swiglu", "positional": {"name": scheme}, **scale["model"]},
+        "data": {"kind": "lm", "cache_dir": str(out / "data"), **data},
+        "train": {"eval_every": 0, "eval_batches": 8, "log_every": 100, **scale["train"]},
+    }
+
+
+def run(scale_name: str, out: Path, log: Callable[[str], None]) -> RecipeResult:
+    scale = SCALES[scale_name]
+    for scheme in SCHEMES:
+        ensure_run(run_config(scale, scheme, out), out / "runs" / scheme, log)
+    pope = Run.load(out / "runs" / "pope")
+    data = extrapolation_analysis(pope, Options(sequences=scale["sequences"], batch_size=8,
+                                                factors=tuple(scale["factors"]), compare=(str(out / "runs" / "rope"),),
+                                                scalings=("yarn", "ntk", "linear")))
+    curves = {("pope" if name == "pope" else "rope"): r["curves"] for name, r in data["runs"].items()}
+    series = {"pope": curves["pope"]["none"], "rope": curves["rope"]["none"], "rope+yarn": curves["rope"]["yarn"],
+              "rope+ntk": curves["rope"]["ntk"], "rope+linear": curves["rope"]["linear"]}
+
+    def loss_at(name: str, factor: float) -> float:
+        rec = next(r for r in series[name] if r["factor"] == factor)
+        return rec.get("loss", math.nan)
+
+    top = max(scale["factors"])
+    growth = {name: loss_at(name, top) / loss_at(name, 1) for name in series}
+    result_claims = [
+        claims.at_most(f"PoPE stays flat: loss at {top}x the training length / loss at 1x", "stable to 10x",
+                       growth["pope"], 1.1),
+        claims.exceeds(f"RoPE degrades more than PoPE (loss ratio {top}x / 1x)", "RoPE degrades",
+                       {"rope": growth["rope"], "pope": growth["pope"]}, better="rope", worse="pope"),
+        claims.exceeds(f"PoPE beats RoPE + YaRN (evaluation-time, no fine-tuning) at {top}x (loss)",
+                       "YaRN degrades past its length", {"rope+yarn": loss_at("rope+yarn", top),
+                                                        "pope": loss_at("pope", top)},
+                       better="rope+yarn", worse="pope"),
+    ]
+    tables = [{"title": f"Loss against evaluation length (training length {scale['seq_len']} tokens)",
+               "columns": ["model", *[f"{f}x" for f in scale["factors"]]],
+               "rows": [[name, *[loss_at(name, f) for f in scale["factors"]]] for name in series]}]
+    figures = [rel(pope.out_dir / f, out) for f in data["figures"]]
+    return RecipeResult("extrapolation", scale_name, result_claims, figures=figures, tables=tables,
+                        details={"growth": growth, "curves": series})
