@@ -1,0 +1,123 @@
+"""Reproduction framework: claims computed from values, resumable runner, report, command line."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from poslab.cli import main
+from poslab.experiments import claims, runner
+from poslab.experiments.runner import RecipeResult
+
+
+def test_claims_are_computed_from_the_values():
+    assert claims.at_least("c", 1, 0.9, 0.8).held
+    assert not claims.at_least("c", 1, 0.7, 0.8).held
+    assert not claims.at_least("c", 1, math.nan, 0.8).held
+    assert claims.within("c", 0.5, 0.5, 0.4, 0.6).held and not claims.within("c", 0.5, 0.7, 0.4, 0.6).held
+    assert claims.exceeds("c", "x", {"a": 0.5, "b": 0.2}, "a", "b", margin=0.2).held
+    assert not claims.exceeds("c", "x", {"a": 0.5, "b": 0.4}, "a", "b", margin=0.2).held
+    assert claims.all_of("c", "x", {"t1": 0.9, "t2": 0.85}, 0.8).held
+    assert not claims.all_of("c", "x", {"t1": 0.9, "t2": 0.75}, 0.8).held
+    assert claims.at_most("c", "x", 1.05, 1.1).held and not claims.at_most("c", "x", 1.2, 1.1).held
+
+
+@pytest.fixture
+def fake_recipes(monkeypatch):
+    calls = []
+
+    def fake(scale, out, log):
+        calls.append(out.name)
+        out.mkdir(parents=True, exist_ok=True)
+        return RecipeResult(out.name, scale, [claims.at_least("value is big", 1.0, 2.0, 1.5),
+                                              claims.at_least("value is huge", 100, 2.0, 50)],
+                            tables=[{"title": "t", "columns": ["a"], "rows": [[1.0]]}])
+
+    module = type(sys)("fake_recipes")
+    module.run = fake
+    monkeypatch.setitem(sys.modules, "fake_recipes", module)
+    monkeypatch.setattr(runner, "RECIPES", {"one": ("fake_recipes:run", "first"), "two": ("fake_recipes:run", "second")})
+    return calls
+
+
+def test_runner_writes_results_and_report_and_resumes(tmp_path, fake_recipes):
+    data = runner.reproduce(["all"], "smoke", tmp_path, log=lambda _: None)
+    assert fake_recipes == ["one", "two"]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert set(results["recipes"]) == {"one", "two"} and results["scale"] == "smoke" and "machine" in results
+    claim = results["recipes"]["one"]["claims"][0]
+    assert claim == {"claim": "value is big", "paper": 1.0, "ours": 2.0, "held": True, "rule": "ours >= 1.5"}
+    report = (tmp_path / "report.md").read_text()
+    assert "**2 of 4 claims held.**" in report and "| one | value is huge | 100 | 2 | **no** |" in report
+    # A second run skips finished recipes; --force redoes them; another scale does not count as finished.
+    runner.reproduce(["all"], "smoke", tmp_path, log=lambda _: None)
+    assert fake_recipes == ["one", "two"]
+    runner.reproduce(["two"], "smoke", tmp_path, force=True, log=lambda _: None)
+    assert fake_recipes == ["one", "two", "two"]
+    runner.reproduce(["one"], "quick", tmp_path, log=lambda _: None)
+    assert fake_recipes == ["one", "two", "two", "one"]
+    assert data["recipes"]["one"]["claims"][1]["held"] is False
+
+
+def test_interrupted_recipe_leaves_finished_ones(tmp_path, fake_recipes, monkeypatch):
+    def boom(scale, out, log):
+        raise KeyboardInterrupt
+
+    sys.modules["fake_recipes"].boom = boom
+    monkeypatch.setitem(runner.RECIPES, "two", ("fake_recipes:boom", "second"))
+    with pytest.raises(KeyboardInterrupt):
+        runner.reproduce(["all"], "smoke", tmp_path, log=lambda _: None)
+    assert json.loads((tmp_path / "results.json").read_text())["recipes"].keys() == {"one"}
+    assert (tmp_path / "one" / "result.json").exists() and not (tmp_path / "two" / "result.json").exists()
+
+
+def test_unknown_recipe_lists_valid_ones(capsys):
+    assert main(["reproduce", "adjacencyy"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "did you mean 'adjacency'" in err and "indirect-indexing" in err
+
+
+def test_unknown_scale_and_missing_name(capsys, tmp_path):
+    assert main(["reproduce", "adjacency", "--scale", "huge", "--out", str(tmp_path)]) == 2
+    assert "--scale must be one of" in capsys.readouterr().err
+    assert main(["reproduce"]) == 2
+    assert "name a recipe or 'all'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+def test_unwritable_output(tmp_path, capsys):  # pragma: no cover - CI runs as root
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    assert main(["reproduce", "adjacency", "--out", str(locked / "x")]) == 2
+
+
+def test_output_path_that_is_a_file(tmp_path, capsys):
+    target = tmp_path / "file"
+    target.write_text("not a directory")
+    assert main(["reproduce", "adjacency", "--out", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write to output directory" in err and err.count("\n") == 1
+
+
+def test_list(capsys):
+    assert main(["reproduce", "--list"]) == 0
+    names = [line.split("\t")[0] for line in capsys.readouterr().out.splitlines()]
+    assert names == ["adjacency", "indirect-indexing", "extrapolation", "frequencies", "dstg"]
+
+
+@pytest.mark.slow
+def test_every_recipe_runs_end_to_end_at_smoke_scale(tmp_path):
+    """Every recipe, through the command line, at the seconds-long smoke scale (its claims mean nothing)."""
+    result = subprocess.run([sys.executable, "-m", "poslab", "reproduce", "all", "--scale", "smoke", "--out",
+                             str(tmp_path)], capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert list(data["recipes"]) == list(runner.RECIPES)
+    for name, record in data["recipes"].items():
+        assert record["claims"], name
+        for figure in record["figures"]:
+            assert (tmp_path / figure).is_file(), figure
+    assert (tmp_path / "report.md").read_text().startswith("# poslab reproduction (smoke scale)")
