@@ -4,10 +4,15 @@
    corpus) vs a plain ``datasets`` pipeline with the same fast tokenizer (``load_dataset("json")`` +
    batched ``Dataset.map``), both end to end from the same file. Tokens/s count document tokens only
    (no [CLS]/[SEP]), which both pipelines produce identically. Target ratio >= 1.0.
-2. Step wait: time to build one MLM batch (``train_batch``) vs one optimizer step of a small encoder on
-   the same batch; reported as the share of a step spent waiting for data if batches were built inline.
+2. Step wait: time to build one MLM batch vs one optimizer step of a small encoder, and the time the loop
+   actually blocks in ``train_batch`` when the next step's batch is prefetched (the default).
+3. ``--learn-steps N`` (optional): is the synthetic corpus's structure learnable by a small MLM on a CPU?
+   Trains a 2-layer encoder for N steps on ``configs/data/mlm_quick.yaml`` data, then classifies masked
+   structural cue words by position (first / middle / last paragraph opener, middle / last sentence
+   opener): the model can only beat the majority class by inferring where the sentence sits.
 
     python benchmarks/data_pipeline.py [--documents 6000] [--repeats 5] [--batch 32] [--seq-len 128]
+                                       [--learn-steps 0]
 """
 from __future__ import annotations
 
@@ -61,27 +66,79 @@ def run_datasets(corpus: Path, tokenizer: Path, cache: Path) -> tuple[float, int
 
 
 def step_wait(prepared: Path, batch: int, seq_len: int, steps: int) -> dict[str, float]:
+    """Mean time to build a batch (prefetch off), mean time the loop blocks on ``train_batch`` with the
+    default prefetch, and mean model step time, over ``steps`` steps after two warm-up steps."""
     from poslab.models import build_model
 
-    source = build_mlm_source(0, prepared=str(prepared), seq_len=seq_len)
-    model = build_model({"arch": "encoder", "vocab_size": source.vocab_size, "d_model": 128, "n_layers": 2,
+    sources = {p: build_mlm_source(0, prepared=str(prepared), seq_len=seq_len, prefetch=p) for p in (False, True)}
+    model = build_model({"arch": "encoder", "vocab_size": sources[True].vocab_size, "d_model": 128, "n_layers": 2,
                          "n_heads": 4, "max_seq_len": seq_len, "positional": {"name": "rope"}})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    fetch, compute = [], []
-    for step in range(steps + 2):  # two warm-up steps
+    times: dict[str, list[float]] = {"build": [], "wait": [], "step": []}
+    for step in range(steps + 2):
         t0 = time.perf_counter()
-        b = source.train_batch(step, batch)
+        sources[False].train_batch(step, batch)
         t1 = time.perf_counter()
+        b = sources[True].train_batch(step, batch)
+        t2 = time.perf_counter()
         loss = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"]).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        t2 = time.perf_counter()
+        t3 = time.perf_counter()
         if step >= 2:
-            fetch.append(t1 - t0)
-            compute.append(t2 - t1)
-    f, c = sum(fetch) / steps, sum(compute) / steps
-    return {"batch_ms": 1e3 * f, "step_ms": 1e3 * c, "wait_share": f / (f + c)}
+            for name, seconds in (("build", t1 - t0), ("wait", t2 - t1), ("step", t3 - t2)):
+                times[name].append(seconds)
+    mean = {name: sum(v) / len(v) for name, v in times.items()}
+    return {"build_ms": 1e3 * mean["build"], "wait_ms": 1e3 * mean["wait"], "step_ms": 1e3 * mean["step"],
+            "build_share": mean["build"] / (mean["build"] + mean["step"]),
+            "wait_share": mean["wait"] / (mean["wait"] + mean["step"])}
+
+
+def learnability(steps: int, root: Path) -> dict[str, float]:
+    """Cue-class accuracy of a small MLM after ``steps`` steps vs the majority class (validation split)."""
+    from poslab.data.cli import load_data_config
+    from poslab.data.synthetic import PARAGRAPH_CUES, SENTENCE_CUES
+    from poslab.models import build_model
+
+    config = Path(__file__).resolve().parents[1] / "src" / "poslab" / "configs" / "data" / "mlm_quick.yaml"
+    options = {**load_data_config(str(config), []).__dict__, "cache_dir": str(root / "cache")}
+    source = build_mlm_source(0, **options)
+    tok = source.tokenizer
+    # Single-token cues, grouped by the structural position they mark.
+    classes = {"paragraph first": ["initially"], "paragraph middle": ["furthermore", "next"],
+               "paragraph last": ["finally"], "sentence middle": SENTENCE_CUES["middle"],
+               "sentence last": SENTENCE_CUES["last"]}
+    assert {w for c in ("first", "middle", "last") for w in PARAGRAPH_CUES[c]} >= {"initially", "furthermore", "finally"}
+    cue_ids = {tok.convert_tokens_to_ids(w): c for c, words in enumerate(classes.values()) for w in words}
+    candidates = torch.tensor(sorted(cue_ids))
+    class_of = torch.tensor([cue_ids[i] for i in sorted(cue_ids)])
+    model = build_model({"arch": "encoder", "vocab_size": source.vocab_size, "d_model": 128, "n_layers": 2,
+                         "n_heads": 4, "max_seq_len": source.seq_len, "positional": {"name": "rope"}})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    start = time.perf_counter()
+    for step in range(steps):
+        b = source.train_batch(step, 32)
+        loss = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"]).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    seconds = time.perf_counter() - start
+    model.eval()
+    truth, guess = [], []
+    with torch.no_grad():
+        for b in source.eval_batches("validation", 64):
+            target = b["labels"]
+            is_cue = torch.isin(target, candidates)
+            if not is_cue.any():
+                continue
+            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[is_cue]
+            guess.append(class_of[logits[:, candidates].argmax(-1)])
+            truth.append(class_of[torch.searchsorted(candidates, target[is_cue])])
+    truth, guess = torch.cat(truth), torch.cat(guess)
+    return {"steps": steps, "seconds": seconds, "cues": len(truth), "loss": loss.item(),
+            "accuracy": (truth == guess).float().mean().item(),
+            "majority": torch.bincount(truth).max().item() / len(truth)}
 
 
 def main() -> None:
@@ -91,6 +148,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--learn-steps", type=int, default=0, help="also run the learnability check (0: skip)")
     args = parser.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="poslab-bench-"))
@@ -115,8 +173,14 @@ def main() -> None:
         print(f"datasets.map baseline (load json + map):   {n_base / t_base:,.0f} tokens/s")
         print(f"ratio ours / baseline: best-of {t_base / t_ours:.2f}x, per-pair median {ratios[len(ratios) // 2]:.2f}x "
               f"(range {ratios[0]:.2f}-{ratios[-1]:.2f}, {args.repeats} pairs)")
-        print(f"step wait (batch {args.batch} x {args.seq_len}, 2-layer d128 encoder): batch {wait['batch_ms']:.2f} ms, "
-              f"step {wait['step_ms']:.1f} ms, data share {100 * wait['wait_share']:.1f}%")
+        print(f"step wait (batch {args.batch} x {args.seq_len}, 2-layer d128 encoder, step {wait['step_ms']:.1f} ms): "
+              f"building a batch {wait['build_ms']:.2f} ms ({100 * wait['build_share']:.1f}% of step time if inline); "
+              f"blocked with prefetch {wait['wait_ms']:.3f} ms ({100 * wait['wait_share']:.2f}%)")
+        if args.learn_steps:
+            r = learnability(args.learn_steps, root)
+            print(f"learnability: {r['steps']} steps ({r['seconds']:.0f} s), final MLM loss {r['loss']:.2f}; masked "
+                  f"structural cues classified by position {100 * r['accuracy']:.1f}% vs majority class "
+                  f"{100 * r['majority']:.1f}% ({r['cues']} cues)")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

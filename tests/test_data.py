@@ -85,12 +85,13 @@ def test_every_token_of_sentence_k_has_sentence_index_k(prepared):
             assert ids[after] == corpus.special_ids["sep"] and labels["doc_id"][after] == -1
 
 
-@pytest.mark.parametrize("packing", [True, False])
-def test_every_token_exactly_once_per_epoch(prepared, packing):
-    source = build_mlm_source(0, prepared=str(prepared), seq_len=37, packing=packing)
+@given(seq_len=st.integers(3, 90), packing=st.booleans(), batch_size=st.integers(1, 9))
+@settings(max_examples=12, deadline=None)
+def test_every_token_exactly_once_per_epoch(prepared, seq_len, packing, batch_size):
+    source = build_mlm_source(0, prepared=str(prepared), seq_len=seq_len, packing=packing)
     data = source.corpus.split("validation")
     seen = []
-    for batch in source.eval_batches("validation", 7):
+    for batch in source.eval_batches("validation", batch_size):
         real = batch["doc_id"] >= 0
         assert (batch["input_ids"][:, 0] == source.cls_id).all()
         seen += list(zip(batch["doc_id"][real].tolist(), batch["pos_in_document"][real].tolist()))
@@ -179,6 +180,11 @@ def test_batches_are_a_function_of_seed_and_step(prepared):
     # Data-parallel ranks' shares concatenate to the single-process batch.
     shares = [a.train_batch(7, 8, rank=r, world_size=4) for r in range(4)]
     assert all(torch.equal(torch.cat([s[k] for s in shares]), x[k]) for k in x)
+    # Prefetching the next step in a background thread changes nothing.
+    eager = build_mlm_source(3, prepared=str(prepared), seq_len=48, prefetch=False)
+    for step in (0, 1, 2, 5, 6):
+        x, y = a.train_batch(step, 8), eager.train_batch(step, 8)
+        assert all(torch.equal(x[k], y[k]) for k in x)
     # Evaluation masks do not depend on the batch size.
     e1 = torch.cat([bt["labels"] for bt in a.eval_batches("validation", 3)])
     e2 = torch.cat([bt["labels"] for bt in a.eval_batches("validation", 5)])

@@ -3,8 +3,8 @@
 One ``DataConfig`` covers both halves of the pipeline:
   preparation  (``source``, ``tokenizer``, ``validation_documents``, ``shard_tokens``, ``batch_documents``)
                -- what ``poslab data prepare`` turns into a directory of shards;
-  reading      (``seq_len``, ``packing``, ``masking``, ``structure_labels``) -- how batches are cut from the
-               shards; changing these never requires preparing again.
+  reading      (``seq_len``, ``packing``, ``masking``, ``structure_labels``, ``prefetch``) -- how batches are
+               cut from the shards; changing these never requires preparing again.
 ``prepared`` names an existing prepared directory instead of a source; ``cache_dir`` is where a source is
 prepared on the fly when no directory is given.
 """
@@ -134,6 +134,7 @@ class DataConfig:
     packing: bool = True
     masking: MaskingConfig | None = None
     structure_labels: bool = True
+    prefetch: bool = True
     prepared: str | None = None
     cache_dir: str | None = None
 
@@ -157,7 +158,8 @@ class DataConfig:
                 f"shard_tokens must be a positive integer, got {self.shard_tokens!r}")
         require(isinstance(self.batch_documents, int) and self.batch_documents >= 1,
                 f"batch_documents must be a positive integer, got {self.batch_documents!r}")
-        require(isinstance(self.packing, bool), f"packing must be true or false, got {self.packing!r}")
+        for name in ("packing", "structure_labels", "prefetch"):
+            require(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "DataConfig":

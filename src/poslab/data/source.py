@@ -15,6 +15,7 @@ from __future__ import annotations
 import abc
 import functools
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -42,6 +43,8 @@ class TextBatchSource(abc.ABC):
         ids = corpus.special_ids
         self.cls_id, self.sep_id, self.pad_token_id = ids["cls"], ids["sep"], ids["pad"]
         self.structure_keys = STRUCTURE_KEYS + ("abs_position",) if config.structure_labels else ()
+        self._pool: ThreadPoolExecutor | None = None
+        self._ahead: tuple[tuple[int, int, int, int], Future] | None = None  # (step key, batch being built)
 
     @property
     def tokenizer(self):
@@ -105,10 +108,24 @@ class TextBatchSource(abc.ABC):
         the randomness of each row."""
 
     def train_batch(self, step: int, batch_size: int, rank: int = 0, world_size: int = 1) -> dict[str, torch.Tensor]:
+        """Rank ``rank``'s rows of the global batch of ``step``. With ``prefetch`` the batch of step + 1 is
+        built in a background thread meanwhile (numpy and torch release the GIL), so a training loop
+        asking for consecutive steps does not wait; the batch is the same either way."""
         require(batch_size >= 1 and world_size >= 1 and batch_size % world_size == 0,
                 f"batch_size ({batch_size}) must be a positive multiple of world_size ({world_size})")
         require(0 <= rank < world_size, f"rank {rank} outside world_size {world_size}")
         require(step >= 0, f"step must be >= 0, got {step}")
+        key = (step, batch_size, rank, world_size)
+        ahead, self._ahead = self._ahead, None
+        batch = ahead[1].result() if ahead is not None and ahead[0] == key else self._train_batch(*key)
+        if self.config.prefetch:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="poslab-data")
+            following = (step + 1, batch_size, rank, world_size)
+            self._ahead = (following, self._pool.submit(self._train_batch, *following))
+        return batch
+
+    def _train_batch(self, step: int, batch_size: int, rank: int, world_size: int) -> dict[str, torch.Tensor]:
         n = self.num_sequences("train")
         per_rank = batch_size // world_size
         rows = np.arange(rank * per_rank, (rank + 1) * per_rank, dtype=np.int64)

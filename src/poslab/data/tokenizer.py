@@ -30,7 +30,7 @@ def _wordpiece(cfg: TokenizerConfig, specials: list[str]) -> tuple[Tokenizer, tr
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece()
     trainer = trainers.WordPieceTrainer(vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency,
-                                        special_tokens=specials)
+                                        special_tokens=specials, show_progress=False)
     return tok, trainer
 
 
@@ -41,7 +41,7 @@ def _bpe(cfg: TokenizerConfig, specials: list[str]) -> tuple[Tokenizer, trainers
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     return tok, trainer
 
 
