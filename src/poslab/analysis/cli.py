@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 from poslab.errors import ConfigError, unknown_key_message
 
 
@@ -16,7 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     defaults = Options()
     p = subparsers.add_parser("analyze", help="measure a trained run (adjacency, probes, spectra, ...)",
-                              description=__doc__.split("\n")[0])
+                              description="Measure a trained run; writes DIR/analysis/KIND.json and PNG figures.")
     p.add_argument("kind", metavar="KIND", help=f"one of: {', '.join(ANALYSES)}")
     p.add_argument("--run", required=True, metavar="DIR", help="run directory written by `poslab train`")
     p.add_argument("--checkpoint", choices=("best", "last"), default=None, help="default: best if present, else last")
@@ -50,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 < args.threshold <= 1 or any(f <= 0 for f in args.factors):
         raise ConfigError("--threshold must lie in (0, 1] and --factors must be positive")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {args.device}: no CUDA device here; use --device cpu")
     opts = Options(sequences=args.sequences, batch_size=args.batch_size, split=args.split,
                    probe_steps=args.probe_steps, max_classes=args.max_classes, threshold=args.threshold,
                    factors=tuple(args.factors), scalings=tuple(args.scalings), compare=tuple(args.compare),

@@ -36,6 +36,8 @@ NOT_TARGETS = ("input_ids", "labels", "attention_mask", "position_ids", "doc_id"
 
 @dataclass
 class Options:
+    """What the command line sets; each KIND reads the fields it needs (see ``cli.py`` for their help)."""
+
     sequences: int = 64
     batch_size: int = 16
     split: str | None = None
@@ -233,7 +235,8 @@ def spectra(run: Run, opts: Options) -> dict:
         plots.lines(run.out_dir / "spectra_pca.png", series, f"AP table PCA ({run.name})", "component",
                     "explained variance ratio"),
         plots.lines(run.out_dir / "spectra_components.png",
-                    {f"PC{i + 1}": (list(range(rows)), c) for i, c in enumerate(spectrum_scores(tables["trained"], rows))},
+                    {f"PC{i + 1}": (list(range(rows)), c)
+                     for i, c in enumerate(spectrum_scores(tables["trained"], rows))},
                     f"Top principal components of the AP table along positions ({run.name})", "position", "score"),
         plots.heatmap(run.out_dir / "spectra_dct.png", [p[:bins] for p in trained["dct_power"]],
                       "DCT-II power of the top principal components", "DCT bin", "component",

@@ -1,7 +1,8 @@
 """Figures and number files, written next to a run: DIR/analysis/<kind>.json and <kind>*.png.
 
-matplotlib runs on the Agg backend (no display). Every file is written to a temporary sibling and
-renamed into place, so a crash never leaves half a figure or half a JSON behind.
+matplotlib runs on the Agg backend (no display); it is imported on the first figure, not with the
+command line. Every file is written to a temporary sibling and renamed into place, so a crash never
+leaves half a figure or half a JSON behind.
 """
 from __future__ import annotations
 
@@ -12,10 +13,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _atomic(path: Path, write) -> Path:
@@ -49,14 +54,14 @@ def write_json(path: Path, data: dict) -> Path:
 
 def save_figure(fig, path: Path) -> Path:
     out = _atomic(Path(path), lambda tmp: fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png"))
-    plt.close(fig)
+    _pyplot().close(fig)
     return out
 
 
 def lines(path: Path, series: dict[str, tuple[list, list]], title: str, xlabel: str, ylabel: str,
           logx: bool = False, hline: float | None = None) -> Path:
     """One line per named (x, y) series."""
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = _pyplot().subplots(figsize=(6.4, 4.2))
     for name, (x, y) in series.items():
         ax.plot(x, [math.nan if v is None else v for v in y], marker="o", markersize=3, label=name)
     if hline is not None:
@@ -74,7 +79,7 @@ def heatmap(path: Path, values, title: str, xlabel: str, ylabel: str, yticklabel
             xticklabels: list[str] | None = None, cmap: str = "viridis", vmin=None, vmax=None,
             annotations: list[list[str]] | None = None) -> Path:
     """values (rows, cols) as an image, row 0 on top."""
-    fig, ax = plt.subplots(figsize=(max(4.0, 0.35 * len(values[0]) + 2), max(3.0, 0.35 * len(values) + 1.5)))
+    fig, ax = _pyplot().subplots(figsize=(max(4.0, 0.35 * len(values[0]) + 2), max(3.0, 0.35 * len(values) + 1.5)))
     im = ax.imshow(values, aspect="auto", cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest")
     fig.colorbar(im, ax=ax)
     if yticklabels is not None:
@@ -94,7 +99,7 @@ def matrices(path: Path, mats: dict[str, Any], title: str, vmin: float = -1.0, v
     k = len(mats)
     cols = min(k, 4)
     rows = math.ceil(k / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows), squeeze=False)
+    fig, axes = _pyplot().subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows), squeeze=False)
     for ax, (name, m) in zip(axes.flat, mats.items()):
         im = ax.imshow(m, cmap="magma", vmin=vmin, vmax=vmax, interpolation="nearest")
         ax.set_title(name, fontsize=8)
@@ -112,7 +117,7 @@ def bars(path: Path, groups: dict[str, dict[str, float]], title: str, ylabel: st
     names = list(groups)
     inner = list(dict.fromkeys(k for g in groups.values() for k in g))
     width = 0.8 / max(1, len(inner))
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.2 * len(names) + 2), 4.0))
+    fig, ax = _pyplot().subplots(figsize=(max(5.0, 1.2 * len(names) + 2), 4.0))
     for j, key in enumerate(inner):
         values = [groups[n].get(key) for n in names]
         ax.bar([i + (j - (len(inner) - 1) / 2) * width for i in range(len(names))],

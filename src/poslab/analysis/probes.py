@@ -234,7 +234,8 @@ def ridge_probe(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, split: Seq
 
 # ------------------------------------------------------------------------------------ trained probes
 
-def _tokens(x: torch.Tensor, y: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _tokens(x: torch.Tensor, y: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     return x[rows][valid[rows]].float(), y[rows][valid[rows]]
 
 

@@ -8,7 +8,6 @@ probe features (``probes.variance_features``).
 from __future__ import annotations
 
 import torch
-from scipy import stats
 
 
 def position_variance(h: torch.Tensor) -> torch.Tensor:
@@ -33,6 +32,8 @@ def variance_trend(profile: torch.Tensor) -> dict[str, float]:
     values = profile[keep].double()
     if values.numel() < 4:
         return {"spearman_rho": float("nan"), "late_to_early": float("nan")}
+    from scipy import stats  # imported here: scipy.stats costs ~1 s, too much for every `poslab` call
+
     pos = torch.arange(profile.numel())[keep]
     rho = stats.spearmanr(pos.numpy(), values.numpy()).statistic
     q = max(1, values.numel() // 4)
