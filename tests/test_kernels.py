@@ -185,15 +185,29 @@ def _run_checks(names: list[str]) -> dict:
 
 # ----- pytest side -----
 
-@pytest.fixture(scope="module")
-def interpreter_report(request):
-    pytest.importorskip("triton")
-    wanted = [item.callspec.params["name"] for item in request.session.items
-              if getattr(item, "originalname", None) == "test_under_interpreter"]
-    proc = subprocess.run([sys.executable, __file__, *wanted], capture_output=True, text=True, timeout=1200,
+def _interpreter_run(names: list[str]) -> dict:
+    proc = subprocess.run([sys.executable, __file__, *names], capture_output=True, text=True, timeout=1200,
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     assert proc.returncode == 0, f"interpreter run failed:\n{proc.stderr[-4000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def interpreter_report(request, tmp_path_factory):
+    """One child process per test session; under pytest-xdist the first worker runs it, the others
+    read its report (every worker collects the same selection)."""
+    pytest.importorskip("triton")
+    names = [item.callspec.params["name"] for item in request.session.items
+             if getattr(item, "originalname", None) == "test_under_interpreter"]
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return _interpreter_run(names)
+    from filelock import FileLock
+
+    path = tmp_path_factory.getbasetemp().parent / "pope_kernel_interpreter.json"
+    with FileLock(str(path) + ".lock"):
+        if not path.is_file():
+            path.write_text(json.dumps(_interpreter_run(names)))
+        return json.loads(path.read_text())
 
 
 @pytest.mark.parametrize("name", list(CHECKS))

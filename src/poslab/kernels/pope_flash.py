@@ -9,10 +9,11 @@ reach memory. The rest is FlashAttention-2: online softmax in base 2 with fp32 a
 backward recomputing probabilities from the saved log-sum-exp (O(n) extra memory, never O(n^2)).
 
 Phases. t theta_c is huge at long positions (1e6 rad at t = 1e6), where an fp32 product is off by up to
-0.03 rad. The kernel multiplies the position by theta_c / (2 pi) in fp64, keeps the fractional turn in
-[-1/2, 1/2) and only then goes to fp32: the phase error stays ~1e-7 rad at any position below 2^31.
-fp64 work is O(tile * d) per tile, small beside the O(tile^2 * d) matmuls on H100/H200-class GPUs (GPUs
-with 1/64-rate fp64 would feel it).
+0.03 rad. Phases are carried in turns (theta_c / 2 pi): for each tile the base p0 theta_c is reduced
+modulo one turn in fp64 on a d-vector, and the in-tile part j theta_c (j < 256) is split so that its
+fp32 product is exact; cos/sin then come from a quadrant reduction and short polynomials. The phase
+error stays ~1e-7 turns for any position below 2^30, and per element only fp32 FMAs run (no fp64, no
+special-function-unit trigonometry competing with the softmax's exp2).
 
 Padding. ``seq_lens[b]`` is the number of valid keys in batch row b; keys at index >= seq_lens[b] get
 no weight. A query whose position q_start + i lies at or past the end of the valid keys
@@ -20,8 +21,10 @@ no weight. A query whose position q_start + i lies at or past the end of the val
 query that sees no key at all (causal with every key in its future). Without ``seq_lens`` every query row
 is real.
 
-Launch configurations for CUDA are reasoned from the FlashAttention-2 Triton tutorial (q~/k~ are 2d
-wide, so d = 128 behaves like a 256-wide head), not tuned on a GPU yet.
+Cost. The keys' polar transform is redone for every query tile that reads them (and the queries' for
+every key tile in the dk/dv pass): O(n^2 d / BLOCK) elementwise work on top of FlashAttention's, the
+price of never storing q~/k~. Launch configurations (``_launch_config``) were chosen from ptxas register
+reports for sm_90a, not from timings: no GPU has run these kernels yet.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from poslab.errors import ConfigError, require
+from poslab.errors import require
 from poslab.functional import pope_frequencies
 
 __all__ = ["pope_flash_attention"]
@@ -43,19 +46,44 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _polar(x, pos, turns, bias):
-    """mu = softplus(x) and cos/sin(pos * theta + bias), all fp32, shaped like x.
+def _sincos_turns(r):
+    """cos(2 pi r), sin(2 pi r) for fp32 r: quadrant reduction, then Cephes' sinf/cosf polynomials on
+    [-pi/4, pi/4] (~1e-7 absolute). Plain FMAs: the special-function units are busy with the softmax's
+    exp2, and libdevice's sinf/cosf inline a large-argument path per element that costs registers."""
+    k = tl.floor(4.0 * r + 0.5)
+    x = (r - 0.25 * k) * 6.283185307179586
+    z = x * x
+    sin_x = ((-1.9515295891e-4 * z + 8.3321608736e-3) * z - 1.6666654611e-1) * z * x + x
+    cos_x = ((2.443315711809948e-5 * z - 1.388731625493765e-3) * z + 4.166664568298827e-2) * z * z - 0.5 * z + 1.0
+    quadrant = k.to(tl.int32) & 3  # 2 pi r = quadrant * pi/2 + x
+    swap = (quadrant & 1) == 1
+    cos_v = tl.where(swap, sin_x, cos_x)
+    sin_v = tl.where(swap, cos_x, sin_x)
+    cos_v = tl.where((quadrant == 1) | (quadrant == 2), -cos_v, cos_v)
+    sin_v = tl.where(quadrant >= 2, -sin_v, sin_v)
+    return cos_v, sin_v
 
-    pos (int), turns (theta / 2 pi, fp64) and bias (fp32) broadcast against x, so one helper serves the
-    row-major (n, d) and the transposed (d, n) tiles.
+
+@triton.jit
+def _polar(x, j, p0, turns, turns_hi, turns_lo, bias_turns):
+    """mu = softplus(x) and cos/sin of the phases (p0 + j) theta_c + bias_c, all fp32, shaped like x.
+
+    x is a raw q or k tile, row-major (n, d) or transposed (d, n); j (the row within the tile, int) and
+    the per-component vectors broadcast against it. Phases are kept in turns (theta / 2 pi): the tile's
+    base p0 theta_c, where the large numbers live, is reduced in fp64 on a d-vector; per element,
+    j * turns_hi is exact in fp32 (turns_hi has 16 significant bits, j < 256) and turns_lo is tiny, so the
+    phase error stays ~1e-7 turns at any position below 2^30.
     """
     x = x.to(tl.float32)
-    # log(1 + e^-|x|) never overflows; its fp32 rounding error is below 1e-7 absolute.
-    mu = tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x)))
-    rev = pos.to(tl.float64) * turns
-    rev = rev - tl.floor(rev + 0.5)  # exact in fp64: the whole turns carry no phase
-    phase = rev.to(tl.float32) * 6.283185307179586 + bias
-    return mu, tl.cos(phase), tl.sin(phase)
+    # log1p(e^-|x|) through exp2/log2 never overflows; fp32 rounding error below 1e-7 absolute
+    mu = tl.maximum(x, 0.0) + 0.6931471805599453 * tl.log2(1.0 + tl.exp2(-1.4426950408889634 * tl.abs(x)))
+    base = p0.to(tl.float64) * turns
+    base = (base - tl.floor(base + 0.5)).to(tl.float32) + bias_turns
+    jf = j.to(tl.float32)
+    local = jf * turns_hi
+    rev = (local - tl.floor(local + 0.5)) + base + jf * turns_lo
+    c, s = _sincos_turns(rev)
+    return mu, c, s
 
 
 @triton.jit
@@ -94,8 +122,8 @@ def _query_range(start_n, q_start, k_start, k_len, q_len, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, qx, qy, K_base, V_base, skn, svn, turns, bias, t_pos, k_start, k_len, lo, hi,
-               D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+def _fwd_inner(acc, l_i, m_i, qx, qy, K_base, V_base, skn, svn, turns, turns_hi, turns_lo, bias, t_pos, k_start,
+               k_len, lo, hi, D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                PRECISION: tl.constexpr):
     offs_d = tl.arange(0, D)
     for start_n in range(lo, hi, BLOCK_N):
@@ -109,7 +137,8 @@ def _fwd_inner(acc, l_i, m_i, qx, qy, K_base, V_base, skn, svn, turns, bias, t_p
         else:
             kT = tl.load(kT_ptrs)
             v = tl.load(v_ptrs)
-        mu, c, s = _polar(kT, (k_start + offs_n)[None, :], turns[:, None], bias[:, None])
+        mu, c, s = _polar(kT, tl.arange(0, BLOCK_N)[None, :], k_start + start_n, turns[:, None], turns_hi[:, None],
+                          turns_lo[:, None], bias[:, None])
         z = tl.dot(qx, (mu * c).to(kT.dtype), input_precision=PRECISION)
         z = tl.dot(qy, (mu * s).to(kT.dtype), z, input_precision=PRECISION)  # (M, N), log2 units
         if MASKED:
@@ -131,7 +160,7 @@ def _fwd_inner(acc, l_i, m_i, qx, qy, K_base, V_base, skn, svn, turns, bias, t_p
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, TURNS, DELTA, QSTART, KSTART, KLEN, QLEN,
+def _fwd_kernel(Q, K, V, O, LSE, TURNS, TURNS32, DELTA, QSTART, KSTART, KLEN, QLEN,
                 sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
                 H, NQ, qk_scale,
                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
@@ -148,7 +177,9 @@ def _fwd_kernel(Q, K, V, O, LSE, TURNS, DELTA, QSTART, KSTART, KLEN, QLEN,
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     row_in = offs_m < NQ
-    turns = tl.load(TURNS + offs_d)
+    turns = tl.load(TURNS + offs_d)  # theta / 2 pi, fp64
+    turns_hi = tl.load(TURNS32 + offs_d)  # the same in fp32, split in two
+    turns_lo = tl.load(TURNS32 + D + offs_d)
     if HAS_DELTA:
         bias = tl.load(DELTA + h * D + offs_d)
     else:
@@ -156,7 +187,8 @@ def _fwd_kernel(Q, K, V, O, LSE, TURNS, DELTA, QSTART, KSTART, KLEN, QLEN,
 
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], mask=row_in[:, None], other=0.0)
     t_pos = q_start + offs_m
-    mu, c, s = _polar(q, t_pos[:, None], turns[None, :], 0.0)
+    mu, c, s = _polar(q, tl.arange(0, BLOCK_M)[:, None], start_m + q_start, turns[None, :], turns_hi[None, :],
+                      turns_lo[None, :], 0.0)
     qx = (mu * c * qk_scale).to(q.dtype)  # scale * log2(e) folded in: the softmax runs on exp2
     qy = (mu * s * qk_scale).to(q.dtype)
 
@@ -166,10 +198,10 @@ def _fwd_kernel(Q, K, V, O, LSE, TURNS, DELTA, QSTART, KSTART, KLEN, QLEN,
     K_base = K + b * skb + h * skh
     V_base = V + b * svb + h * svh
     full, hi = _key_range(start_m, q_start, k_start, k_len, q_len, BLOCK_M, BLOCK_N, CAUSAL)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, qx, qy, K_base, V_base, skn, svn, turns, bias, t_pos, k_start,
-                               k_len, 0, full, D, BLOCK_N, CAUSAL, False, PRECISION)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, qx, qy, K_base, V_base, skn, svn, turns, bias, t_pos, k_start,
-                               k_len, full, hi, D, BLOCK_N, CAUSAL, True, PRECISION)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, qx, qy, K_base, V_base, skn, svn, turns, turns_hi, turns_lo, bias,
+                               t_pos, k_start, k_len, 0, full, D, BLOCK_N, CAUSAL, False, PRECISION)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, qx, qy, K_base, V_base, skn, svn, turns, turns_hi, turns_lo, bias,
+                               t_pos, k_start, k_len, full, hi, D, BLOCK_N, CAUSAL, True, PRECISION)
 
     live = (offs_m < q_len) & (l_i > 0.0)
     l_safe = tl.where(live, l_i, 1.0)
@@ -182,9 +214,9 @@ def _fwd_kernel(Q, K, V, O, LSE, TURNS, DELTA, QSTART, KSTART, KLEN, QLEN,
 
 
 @triton.jit
-def _dq_inner(dqx, dqy, qx, qy, do, lse, dsum, K_base, V_base, skn, svn, turns, bias, t_pos, k_start, k_len,
-              lo, hi, D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-              PRECISION: tl.constexpr):
+def _dq_inner(dqx, dqy, qx, qy, do, lse, dsum, K_base, V_base, skn, svn, turns, turns_hi, turns_lo, bias,
+              t_pos, k_start, k_len, lo, hi, D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+              MASKED: tl.constexpr, PRECISION: tl.constexpr):
     offs_d = tl.arange(0, D)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -197,7 +229,8 @@ def _dq_inner(dqx, dqy, qx, qy, do, lse, dsum, K_base, V_base, skn, svn, turns, 
         else:
             kT = tl.load(kT_ptrs)
             vT = tl.load(vT_ptrs)
-        mu, c, s = _polar(kT, (k_start + offs_n)[None, :], turns[:, None], bias[:, None])
+        mu, c, s = _polar(kT, tl.arange(0, BLOCK_N)[None, :], k_start + start_n, turns[:, None], turns_hi[:, None],
+                          turns_lo[:, None], bias[:, None])
         kxT = (mu * c).to(kT.dtype)
         kyT = (mu * s).to(kT.dtype)
         z = tl.dot(qx, kxT, input_precision=PRECISION)
@@ -216,7 +249,7 @@ def _dq_inner(dqx, dqy, qx, qy, do, lse, dsum, K_base, V_base, skn, svn, turns, 
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DSUM, TURNS, DELTA, QSTART, KSTART, KLEN, QLEN,
+def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DSUM, TURNS, TURNS32, DELTA, QSTART, KSTART, KLEN, QLEN,
                    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob, sdoh, sdon,
                    sdqb, sdqh, sdqn, H, NQ, qk_scale, scale,
                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
@@ -234,13 +267,16 @@ def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DSUM, TURNS, DELTA, QSTART, KSTART, 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     row_in = offs_m < NQ
-    turns = tl.load(TURNS + offs_d)
+    turns = tl.load(TURNS + offs_d)  # theta / 2 pi, fp64
+    turns_hi = tl.load(TURNS32 + offs_d)  # the same in fp32, split in two
+    turns_lo = tl.load(TURNS32 + D + offs_d)
     if HAS_DELTA:
         bias = tl.load(DELTA + h * D + offs_d)
     else:
         bias = tl.zeros([D], dtype=tl.float32)
 
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], mask=row_in[:, None], other=0.0)
+    q_ptrs = Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_in[:, None], other=0.0)
     do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdon + offs_d[None, :], mask=row_in[:, None],
                  other=0.0)
     o = tl.load(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :], mask=row_in[:, None], other=0.0)
@@ -249,7 +285,8 @@ def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DSUM, TURNS, DELTA, QSTART, KSTART, 
     lse = tl.load(LSE + pid_bh * NQ + offs_m, mask=row_in, other=float("inf"))
 
     t_pos = q_start + offs_m
-    mu, c, s = _polar(q, t_pos[:, None], turns[None, :], 0.0)
+    mu, c, s = _polar(q, tl.arange(0, BLOCK_M)[:, None], start_m + q_start, turns[None, :], turns_hi[None, :],
+                      turns_lo[None, :], 0.0)
     qx = (mu * c * qk_scale).to(q.dtype)
     qy = (mu * s * qk_scale).to(q.dtype)
     dqx = tl.zeros([BLOCK_M, D], dtype=tl.float32)
@@ -257,12 +294,16 @@ def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DSUM, TURNS, DELTA, QSTART, KSTART, 
     K_base = K + b * skb + h * skh
     V_base = V + b * svb + h * svh
     full, hi = _key_range(start_m, q_start, k_start, k_len, q_len, BLOCK_M, BLOCK_N, CAUSAL)
-    dqx, dqy = _dq_inner(dqx, dqy, qx, qy, do, lse, dsum, K_base, V_base, skn, svn, turns, bias, t_pos, k_start,
-                         k_len, 0, full, D, BLOCK_N, CAUSAL, False, PRECISION)
-    dqx, dqy = _dq_inner(dqx, dqy, qx, qy, do, lse, dsum, K_base, V_base, skn, svn, turns, bias, t_pos, k_start,
-                         k_len, full, hi, D, BLOCK_N, CAUSAL, True, PRECISION)
+    dqx, dqy = _dq_inner(dqx, dqy, qx, qy, do, lse, dsum, K_base, V_base, skn, svn, turns, turns_hi, turns_lo, bias,
+                         t_pos, k_start, k_len, 0, full, D, BLOCK_N, CAUSAL, False, PRECISION)
+    dqx, dqy = _dq_inner(dqx, dqy, qx, qy, do, lse, dsum, K_base, V_base, skn, svn, turns, turns_hi, turns_lo, bias,
+                         t_pos, k_start, k_len, full, hi, D, BLOCK_N, CAUSAL, True, PRECISION)
 
-    # back through q~ = mu [cos, sin] (the logit is scale * q~ . k~) and mu = softplus(q)
+    # back through q~ = mu [cos, sin] (the logit is scale * q~ . k~) and mu = softplus(q). Reloading q
+    # and recomputing cos/sin here is cheaper than keeping three fp32 tiles alive through the loop.
+    q = tl.load(q_ptrs, mask=row_in[:, None], other=0.0)
+    mu, c, s = _polar(q, tl.arange(0, BLOCK_M)[:, None], start_m + q_start, turns[None, :], turns_hi[None, :],
+                      turns_lo[None, :], 0.0)
     dmu = (dqx * c + dqy * s) * scale
     dq = dmu * tl.sigmoid(q.to(tl.float32))
     tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqn + offs_d[None, :], dq.to(DQ.dtype.element_ty),
@@ -270,8 +311,8 @@ def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DSUM, TURNS, DELTA, QSTART, KSTART, 
 
 
 @triton.jit
-def _dkdv_inner(dv, dkx, dky, kx, ky, v, Q_base, DO_base, LSE_base, DSUM_base, sqn, sdon, turns, offs_n,
-                q_start, k_start, k_len, NQ, qk_scale, lo, hi,
+def _dkdv_inner(dv, dkx, dky, kx, ky, v, Q_base, DO_base, LSE_base, DSUM_base, sqn, sdon, turns, turns_hi, turns_lo,
+                offs_n, q_start, k_start, k_len, NQ, qk_scale, lo, hi,
                 D: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                 PRECISION: tl.constexpr):
     offs_d = tl.arange(0, D)
@@ -290,7 +331,8 @@ def _dkdv_inner(dv, dkx, dky, kx, ky, v, Q_base, DO_base, LSE_base, DSUM_base, s
             do = tl.load(do_ptrs)
             lse = tl.load(LSE_base + offs_m)
             dsum = tl.load(DSUM_base + offs_m)
-        mu, c, s = _polar(qT, (q_start + offs_m)[None, :], turns[:, None], 0.0)
+        mu, c, s = _polar(qT, tl.arange(0, BLOCK_M)[None, :], q_start + start_m, turns[:, None], turns_hi[:, None],
+                          turns_lo[:, None], 0.0)
         qxT = (mu * c * qk_scale).to(qT.dtype)
         qyT = (mu * s * qk_scale).to(qT.dtype)
         zT = tl.dot(kx, qxT, input_precision=PRECISION)
@@ -310,7 +352,7 @@ def _dkdv_inner(dv, dkx, dky, kx, ky, v, Q_base, DO_base, LSE_base, DSUM_base, s
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DDELTA, LSE, DSUM, TURNS, DELTA, QSTART, KSTART, KLEN, QLEN,
+def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DDELTA, LSE, DSUM, TURNS, TURNS32, DELTA, QSTART, KSTART, KLEN, QLEN,
                      sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
                      sdkb, sdkh, sdkn, sdvb, sdvh, sdvn, H, NQ, NK, qk_scale,
                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
@@ -328,15 +370,19 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DDELTA, LSE, DSUM, TURNS, DELTA, QSTAR
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     key_in = offs_n < NK
-    turns = tl.load(TURNS + offs_d)
+    turns = tl.load(TURNS + offs_d)  # theta / 2 pi, fp64
+    turns_hi = tl.load(TURNS32 + offs_d)  # the same in fp32, split in two
+    turns_lo = tl.load(TURNS32 + D + offs_d)
     if HAS_DELTA:
         bias = tl.load(DELTA + h * D + offs_d)
     else:
         bias = tl.zeros([D], dtype=tl.float32)
 
-    k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skn + offs_d[None, :], mask=key_in[:, None], other=0.0)
+    k_ptrs = K + b * skb + h * skh + offs_n[:, None] * skn + offs_d[None, :]
+    k = tl.load(k_ptrs, mask=key_in[:, None], other=0.0)
     v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svn + offs_d[None, :], mask=key_in[:, None], other=0.0)
-    mu, c, s = _polar(k, (k_start + offs_n)[:, None], turns[None, :], bias[None, :])
+    mu, c, s = _polar(k, tl.arange(0, BLOCK_N)[:, None], k_start + start_n, turns[None, :], turns_hi[None, :],
+                      turns_lo[None, :], bias[None, :])
     kx = (mu * c).to(k.dtype)
     ky = (mu * s).to(k.dtype)
     dv = tl.zeros([BLOCK_N, D], dtype=tl.float32)
@@ -349,16 +395,20 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DDELTA, LSE, DSUM, TURNS, DELTA, QSTAR
     DSUM_base = DSUM + pid_bh * NQ
     lo, mid, full, hi = _query_range(start_n, q_start, k_start, k_len, q_len, BLOCK_M, BLOCK_N, CAUSAL)
     dv, dkx, dky = _dkdv_inner(dv, dkx, dky, kx, ky, v, Q_base, DO_base, LSE_base, DSUM_base, sqn, sdon, turns,
-                               offs_n, q_start, k_start, k_len, NQ, qk_scale, lo, mid,
+                               turns_hi, turns_lo, offs_n, q_start, k_start, k_len, NQ, qk_scale, lo, mid,
                                D, BLOCK_M, CAUSAL, True, PRECISION)
     dv, dkx, dky = _dkdv_inner(dv, dkx, dky, kx, ky, v, Q_base, DO_base, LSE_base, DSUM_base, sqn, sdon, turns,
-                               offs_n, q_start, k_start, k_len, NQ, qk_scale, mid, full,
+                               turns_hi, turns_lo, offs_n, q_start, k_start, k_len, NQ, qk_scale, mid, full,
                                D, BLOCK_M, CAUSAL, False, PRECISION)
     dv, dkx, dky = _dkdv_inner(dv, dkx, dky, kx, ky, v, Q_base, DO_base, LSE_base, DSUM_base, sqn, sdon, turns,
-                               offs_n, q_start, k_start, k_len, NQ, qk_scale, full, hi,
+                               turns_hi, turns_lo, offs_n, q_start, k_start, k_len, NQ, qk_scale, full, hi,
                                D, BLOCK_M, CAUSAL, True, PRECISION)
 
-    # q~ carried scale * log2(e); d k~ needs scale alone
+    # q~ carried scale * log2(e); d k~ needs scale alone. k and its polar form are reloaded and
+    # recomputed rather than kept alive through the loop (registers).
+    k = tl.load(k_ptrs, mask=key_in[:, None], other=0.0)
+    mu, c, s = _polar(k, tl.arange(0, BLOCK_N)[:, None], k_start + start_n, turns[None, :], turns_hi[None, :],
+                      turns_lo[None, :], bias[None, :])
     dkx = dkx * 0.6931471805599453
     dky = dky * 0.6931471805599453
     dk = (dkx * c + dky * s) * tl.sigmoid(k.to(tl.float32))
@@ -372,42 +422,57 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DDELTA, LSE, DSUM, TURNS, DELTA, QSTAR
 
 
 def _launch_config(kernel: str, d: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages). The interpreter gets 16x16 tiles so that small test
-    shapes still cross several tiles and ragged tails."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head dim.
+
+    The interpreter gets 16x16 tiles so that small test shapes still cross several tiles and ragged
+    tails. The CUDA tiles are the largest that ptxas (sm_90a, bf16) fits in 255 registers without
+    spilling, except d = 128 backward (dq ~0.8 KB, dk/dv ~0.2 KB of spills per thread); their speed is
+    not measured yet. Eight warps share the per-tile polar transform, which is what fills the registers.
+    """
     if os.environ.get("TRITON_INTERPRET") == "1":
         return 16, 16, 4, 1
     wide = d > 64
     return {
-        "fwd": (128, 64, 8, 2) if wide else (128, 64, 4, 3),
-        "dq": (64, 32, 8, 2) if wide else (128, 32, 4, 3),
-        "dkdv": (32, 64, 8, 2) if wide else (32, 64, 4, 3),
+        "fwd": (64, 16, 8, 2) if wide else (128, 32, 8, 3),
+        "dq": (64, 16, 8, 2) if wide else (64, 32, 8, 2),
+        "dkdv": (16, 32, 8, 2) if wide else (16, 64, 8, 2),
     }[kernel]
+
+
+def _turns(d: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """theta_c / (2 pi) as fp64 (d,) and as fp32 (2, d) = [hi, lo] with hi holding 16 significant bits,
+    so that j * hi is exact in fp32 for any tile row j < 256. theta_c is poslab.functional's fp32 value."""
+    turns = pope_frequencies(d, base, device).double() / (2 * math.pi)
+    mantissa, exponent = torch.frexp(turns.float())
+    hi = torch.ldexp(torch.trunc(mantissa * 2**16) / 2**16, exponent)
+    return turns, torch.stack([hi, (turns - hi.double()).float()])
 
 
 class _PopeFlash(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, delta, turns, q_start, k_start, k_len, q_len, causal, scale):
+    def forward(ctx, q, k, v, delta, turns, turns32, q_start, k_start, k_len, q_len, causal, scale):
         b, h, nq, d = q.shape
         o = torch.empty_like(q)
         lse = torch.empty((b, h, nq), device=q.device, dtype=torch.float32)
         has_delta = delta is not None
-        delta_arg = delta if has_delta else turns  # never read: HAS_DELTA is a compile-time False
+        # the kernels add the bias in turns; d(delta) comes back per radian
+        bias = delta / (2 * math.pi) if has_delta else turns32  # never read without delta
         precision = "ieee" if q.dtype == torch.float32 else "tf32"
         bm, bn, warps, stages = _launch_config("fwd", d)
         _fwd_kernel[(triton.cdiv(nq, bm), b * h)](
-            q, k, v, o, lse, turns, delta_arg, q_start, k_start, k_len, q_len,
+            q, k, v, o, lse, turns, turns32, bias, q_start, k_start, k_len, q_len,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
             h, nq, scale * LOG2E,
             D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_DELTA=has_delta, PRECISION=precision,
             num_warps=warps, num_stages=stages,
         )
-        ctx.save_for_backward(q, k, v, o, lse, delta_arg, turns, q_start, k_start, k_len, q_len)
+        ctx.save_for_backward(q, k, v, o, lse, bias, turns, turns32, q_start, k_start, k_len, q_len)
         ctx.causal, ctx.scale, ctx.has_delta, ctx.precision = causal, scale, has_delta, precision
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, delta_arg, turns, q_start, k_start, k_len, q_len = ctx.saved_tensors
+        q, k, v, o, lse, bias, turns, turns32, q_start, k_start, k_len, q_len = ctx.saved_tensors
         b, h, nq, d = q.shape
         nk = k.shape[2]
         do = do if do.stride(-1) == 1 else do.contiguous()
@@ -417,22 +482,22 @@ class _PopeFlash(torch.autograd.Function):
 
         bm, bn, warps, stages = _launch_config("dq", d)
         _bwd_dq_kernel[(triton.cdiv(nq, bm), b * h)](
-            q, k, v, o, do, dq, lse, dsum, turns, delta_arg, q_start, k_start, k_len, q_len,
+            q, k, v, o, do, dq, lse, dsum, turns, turns32, bias, q_start, k_start, k_len, q_len,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *do.stride()[:3],
             *dq.stride()[:3], h, nq, ctx.scale * LOG2E, ctx.scale,
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **flags,
         )
         bm, bn, warps, stages = _launch_config("dkdv", d)
         n_tiles = triton.cdiv(nk, bn)
-        ddelta = torch.zeros((b * h, n_tiles, d), device=q.device, dtype=torch.float32) if ctx.has_delta else turns
+        ddelta = torch.zeros((b * h, n_tiles, d), device=q.device, dtype=torch.float32) if ctx.has_delta else lse
         _bwd_dkdv_kernel[(n_tiles, b * h)](
-            q, k, v, do, dk, dv, ddelta, lse, dsum, turns, delta_arg, q_start, k_start, k_len, q_len,
+            q, k, v, do, dk, dv, ddelta, lse, dsum, turns, turns32, bias, q_start, k_start, k_len, q_len,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3],
             *dv.stride()[:3], h, nq, nk, ctx.scale * LOG2E,
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **flags,
         )
         ddelta = ddelta.view(b, h, n_tiles, d).sum((0, 2)) if ctx.has_delta else None
-        return dq, dk, dv, ddelta, None, None, None, None, None, None, None
+        return dq, dk, dv, ddelta, None, None, None, None, None, None, None, None
 
 
 def _per_batch(value, b: int, name: str, device) -> torch.Tensor:
@@ -487,9 +552,9 @@ def pope_flash_attention(
         require(bool(((k_len >= 0) & (k_len <= nk)).all()), f"seq_lens must lie in [0, {nk}] (the key length)")
         # a query at or past the end of the valid keys is padding
         q_len = (k_start_t + k_len - q_start_t).clamp(0, nq).to(torch.int32)
-    turns = (pope_frequencies(d, base, q.device).double() / (2 * math.pi)).contiguous()
+    turns, turns32 = _turns(d, base, q.device)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     delta_f = None if delta is None else delta.float().contiguous()
-    out = _PopeFlash.apply(q, k, v, delta_f, turns, q_start_t, k_start_t, k_len, q_len, bool(causal), scale)
+    out = _PopeFlash.apply(q, k, v, delta_f, turns, turns32, q_start_t, k_start_t, k_len, q_len, bool(causal), scale)
     return out

@@ -1,0 +1,132 @@
+"""Fused PoPE flash attention (Triton) against RoPE through SDPA flash and PoPE materialised to 2d + SDPA.
+
+On a CUDA GPU, for each head dim and length, on the same bf16 inputs, three paths:
+  rope    RoPE (rotate-half, cos/sin tables cached as a model caches them) + SDPA on its flash backend
+  pope2d  poslab.functional.pope_polar to 2d-wide q/k, v zero-padded to 2d (SDPA's fused kernels need one
+          head dim), SDPA on flash or memory-efficient, output sliced back to d: what the authors ran
+  fused   poslab.kernels.pope_flash.pope_flash_attention: polar transform inside the kernel
+Each gets forward and forward+backward time (median of triton.testing.do_bench), TFLOP/s and the peak
+memory of one forward+backward above the inputs. PoPE gradients include d(delta). FLOPs follow the
+FlashAttention-2 convention (backward = 2.5x forward, recomputation not counted): RoPE forward 4 b h n^2 d,
+PoPE forward 6 b h n^2 d (q.k is 2d wide); causal halves both. Printed ratios: fused/rope and
+fused/pope2d. Issue 7's targets on H100/H200: fused forward+backward <= 1.5x rope at n >= 4k, peak
+memory <= 1.1x rope, faster than pope2d. Without CUDA (or Triton) it prints one line and exits 0.
+
+    python benchmarks/pope_kernel.py [--n 1024 2048 4096 8192 16384] [--head-dims 64 128]
+                                     [--tokens 16384] [--d-model 2048] [--bidirectional]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from poslab.functional import pope_frequencies, pope_polar
+from poslab.kernels import triton_available
+
+
+def rope_tables(n: int, d: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE cos/sin (n, d) in fp32, as the models cache them."""
+    inv = 10000.0 ** (-torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)
+    ang = torch.arange(n, device=device, dtype=torch.float32)[:, None] * inv
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos(), ang.sin()
+
+
+def rope_attention(q, k, v, cos, sin, causal):
+    def rotate(x):
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return (x.float() * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return F.scaled_dot_product_attention(rotate(q), rotate(k), v, is_causal=causal)
+
+
+def pope2d_attention(q, k, v, delta, causal):
+    d = q.shape[-1]
+    theta = pope_frequencies(d, device=q.device)
+    pos = torch.arange(q.shape[-2], device=q.device)
+    q2, k2 = pope_polar(q, pos, theta), pope_polar(k, pos, theta, delta)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        out = F.scaled_dot_product_attention(q2, k2, F.pad(v, (0, d)), is_causal=causal, scale=1 / math.sqrt(d))
+    return out[..., :d]
+
+
+def measure(fn, leaves, do):
+    """(forward ms, forward+backward ms, peak MiB of one forward+backward above what is allocated now)."""
+    from triton.testing import do_bench
+
+    fwd = do_bench(fn)
+    fwd_bwd = do_bench(lambda: torch.autograd.grad(fn(), leaves, do))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    torch.autograd.grad(fn(), leaves, do)
+    torch.cuda.synchronize()
+    return fwd, fwd_bwd, (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--tokens", type=int, default=16384, help="batch * n, kept fixed across n")
+    parser.add_argument("--d-model", type=int, default=2048, help="heads = d_model / head dim")
+    parser.add_argument("--bidirectional", action="store_true", help="no causal mask")
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or not triton_available():
+        print(f"pope_kernel benchmark: no CUDA device with Triton here (torch {torch.__version__}); nothing measured")
+        return 0
+    from poslab.kernels.pope_flash import pope_flash_attention
+
+    causal = not args.bidirectional
+    dev = torch.device("cuda")
+    import triton
+
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+          f"{datetime.date.today()}, bf16, causal {causal}, tokens {args.tokens}, d_model {args.d_model}")
+    print(f"{'d':>4} {'n':>6} {'b':>3} {'h':>3} | fwd ms rope/pope2d/fused | fwd+bwd ms rope/pope2d/fused | "
+          f"TFLOP/s fwd+bwd rope/pope2d/fused | peak MiB rope/pope2d/fused | fused/rope t, mem | fused/pope2d t | "
+          f"max|fused-pope2d|")
+    for d in args.head_dims:
+        for n in args.n:
+            b, h = max(1, args.tokens // n), args.d_model // d
+            gen = torch.Generator(device=dev).manual_seed(0)
+            q, k, v = (torch.randn(b, h, n, d, device=dev, generator=gen, dtype=torch.bfloat16).requires_grad_()
+                       for _ in range(3))
+            delta = (-2 * math.pi * torch.rand(h, d, device=dev, generator=gen)).requires_grad_()
+            do = torch.randn(b, h, n, d, device=dev, generator=gen, dtype=torch.bfloat16)
+            cos, sin = rope_tables(n, d, dev)
+            paths = {
+                "rope": (lambda: rope_attention(q, k, v, cos, sin, causal), (q, k, v)),
+                "pope2d": (lambda: pope2d_attention(q, k, v, delta, causal), (q, k, v, delta)),
+                "fused": (lambda: pope_flash_attention(q, k, v, delta, causal=causal), (q, k, v, delta)),
+            }
+            with torch.no_grad():
+                gap = (pope_flash_attention(q, k, v, delta, causal=causal).float()
+                       - pope2d_attention(q, k, v, delta, causal).float()).abs().max().item()
+            res = {}
+            for name, (fn, leaves) in paths.items():
+                try:
+                    res[name] = measure(fn, leaves, do)
+                except torch.cuda.OutOfMemoryError:
+                    res[name] = (math.nan, math.nan, math.nan)
+                torch.cuda.empty_cache()
+            half = 0.5 if causal else 1.0
+            flops = {"rope": 4 * b * h * n * n * d * half * 3.5, "pope2d": 6 * b * h * n * n * d * half * 3.5}
+            flops["fused"] = flops["pope2d"]
+            tflops = {name: flops[name] / (res[name][1] * 1e-3) / 1e12 for name in res}
+            r, p, f = res["rope"], res["pope2d"], res["fused"]
+            print(f"{d:>4} {n:>6} {b:>3} {h:>3} | {r[0]:7.3f} {p[0]:7.3f} {f[0]:7.3f} | "
+                  f"{r[1]:7.3f} {p[1]:7.3f} {f[1]:7.3f} | {tflops['rope']:6.1f} {tflops['pope2d']:6.1f} "
+                  f"{tflops['fused']:6.1f} | {r[2]:7.0f} {p[2]:7.0f} {f[2]:7.0f} | {f[1] / r[1]:5.2f}x "
+                  f"{f[2] / r[2]:5.2f}x | {f[1] / p[1]:5.2f}x | {gap:.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
