@@ -5,7 +5,7 @@ packaged as Hugging Face models; DSTG-NeoBERT lives in ``dstg.py``.
 """
 from __future__ import annotations
 
-import importlib
+from collections.abc import Callable
 from typing import Any
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
@@ -13,7 +13,8 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelF
 from poslab.errors import ConfigError, unknown_key_message
 from poslab.models.cache import ActivationCache
 from poslab.models.config import ModelConfig
-from poslab.models.dstg import DSTGNeoBertConfig, DSTGNeoBertForMaskedLM, DSTGNeoBertModel
+from poslab.models.dstg import DSTGNeoBertConfig, DSTGNeoBertForMaskedLM, DSTGNeoBertModel, build_dstg
+from poslab.models.dstg_config import DSTGConfig
 from poslab.models.hf import PoslabConfig, PoslabForCausalLM, PoslabForMaskedLM, PoslabModel
 
 AutoConfig.register("poslab", PoslabConfig, exist_ok=True)
@@ -24,28 +25,33 @@ AutoConfig.register("dstg_neobert", DSTGNeoBertConfig, exist_ok=True)
 AutoModel.register(DSTGNeoBertConfig, DSTGNeoBertModel, exist_ok=True)
 AutoModelForMaskedLM.register(DSTGNeoBertConfig, DSTGNeoBertForMaskedLM, exist_ok=True)
 
-# arch -> "module:function" taking the model config dict and returning a PreTrainedModel.
-ARCHS: dict[str, str] = {
-    "decoder": "poslab.models:build_poslab",
-    "encoder": "poslab.models:build_poslab",
-    "dstg": "poslab.models.dstg:build_dstg",
-}
-
-
 def build_poslab(values: dict[str, Any]):
     config = PoslabConfig(poslab=ModelConfig.from_dict(values).to_dict())
     return PoslabForCausalLM(config) if config.spec.causal else PoslabForMaskedLM(config)
 
 
-def build_model(config: dict[str, Any] | ModelConfig):
-    """A ready model (LM head for decoders, MLM head for encoders) from a config dict or ModelConfig."""
-    values = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+# arch -> (its validated config dataclass, the builder taking that config's dict). One line per family.
+ARCHS: dict[str, tuple[type, Callable[[dict[str, Any]], Any]]] = {
+    "decoder": (ModelConfig, build_poslab),
+    "encoder": (ModelConfig, build_poslab),
+    "dstg": (DSTGConfig, build_dstg),
+}
+
+
+def model_config(values: dict[str, Any]) -> ModelConfig | DSTGConfig:
+    """The validated config dataclass of ``values['arch']`` (default decoder)."""
     arch = values.get("arch", "decoder")
     if arch not in ARCHS:
-        raise ConfigError(unknown_key_message("arch", arch, ARCHS))
-    module, fn = ARCHS[arch].split(":")
-    return getattr(importlib.import_module(module), fn)(values)
+        raise ConfigError(unknown_key_message("arch", str(arch), ARCHS))
+    return ARCHS[arch][0].from_dict(values)
 
 
-__all__ = ["ARCHS", "ActivationCache", "ModelConfig", "PoslabConfig", "PoslabForCausalLM", "PoslabForMaskedLM",
+def build_model(config: dict[str, Any] | ModelConfig | DSTGConfig):
+    """A ready model (LM head for decoders, MLM head for encoders and DSTG) from a config dict or dataclass."""
+    values = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    spec = model_config(values)
+    return ARCHS[values.get("arch", "decoder")][1](spec.to_dict())
+
+
+__all__ = ["ARCHS", "ActivationCache", "DSTGConfig", "ModelConfig", "model_config", "PoslabConfig", "PoslabForCausalLM", "PoslabForMaskedLM",
            "PoslabModel", "build_model"]

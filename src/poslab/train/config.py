@@ -27,11 +27,9 @@ import yaml
 
 from poslab.batches import SOURCES, BatchSource, build_batch_source
 from poslab.errors import ConfigError, require, unknown_key_message
-from poslab.models import ModelConfig
-from poslab.models.dstg_config import DSTGConfig
+from poslab.models import ARCHS, DSTGConfig, ModelConfig
 
 # arch -> its typed model config (poslab.models.ARCHS names the builders of the same archs).
-MODEL_CONFIGS: dict[str, type] = {"decoder": ModelConfig, "encoder": ModelConfig, "dstg": DSTGConfig}
 
 PRECISIONS = ("auto", "fp32", "bf16")
 SCHEDULES = ("cosine", "constant")
@@ -137,9 +135,9 @@ class RunConfig:
         train = _build_dataclass(TrainConfig, _mapping(raw.get("train", {}), "train"), "train")
         model_raw = dict(_mapping(raw.get("model", {}), "model"))
         arch = model_raw.get("arch", "decoder")
-        if arch not in MODEL_CONFIGS:
-            raise ConfigError(unknown_key_message("model.arch", str(arch), MODEL_CONFIGS))
-        model_cls = MODEL_CONFIGS[arch]
+        if arch not in ARCHS:
+            raise ConfigError(unknown_key_message("model.arch", str(arch), ARCHS))
+        model_cls = ARCHS[arch][0]
         hints = typing.get_type_hints(model_cls)
         # Known keys are converted here; the config's own from_dict names unknown ones (with its hints).
         values = {k: _coerce(hints[k], v, f"model.{k}") if k in hints and v is not None else v
