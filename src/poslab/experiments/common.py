@@ -47,7 +47,8 @@ def ensure_run(config: dict[str, Any], out: Path, log: Callable[[str], None]) ->
     log(f"  training {out.name}: {cfg.model.to_dict().get('positional', {}).get('name', cfg.model.to_dict()['arch'])}"
         f", {cfg.train.steps} steps")
     metrics = train(cfg, out, resume=resume, overwrite=not resume and out.exists())
-    tmp = out / f".{FINAL}.tmp"
-    tmp.write_text(json.dumps(metrics, default=float))
-    tmp.replace(final)
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one writer
+        tmp = out / f".{FINAL}.tmp"
+        tmp.write_text(json.dumps(metrics, default=float))
+        tmp.replace(final)
     return metrics

@@ -105,10 +105,14 @@ def check_writable(out: Path) -> None:
 
 def reproduce(names: list[str], scale: str, out: str | Path, force: bool = False,
               log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run recipes into ``out``. Under torchrun every process runs the recipes (training is data-parallel
+    across them); only rank 0 logs and writes results.json and report.md."""
     if scale not in SCALES:
         raise ConfigError(f"--scale must be one of {', '.join(SCALES)}, got '{scale}'")
     names = resolve(names)
     out = Path(out)
+    if not _is_main():
+        log = _quiet
     check_writable(out)
     results_path = out / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
@@ -125,13 +129,23 @@ def reproduce(names: list[str], scale: str, out: str | Path, force: bool = False
         result: RecipeResult = getattr(importlib.import_module(module), fn)(scale, out / name, log)
         result.seconds = time.perf_counter() - start
         record = result.to_dict()
-        write_json(out / name / "result.json", record)
         recipes[name] = record
-        held = sum(c.held for c in result.claims)
-        log(f"[{name}] done in {result.seconds:.0f} s: {held}/{len(result.claims)} claims held")
+        if _is_main():
+            write_json(out / name / "result.json", record)
+            held = sum(c.held for c in result.claims)
+            log(f"[{name}] done in {result.seconds:.0f} s: {held}/{len(result.claims)} claims held")
+            _write_all(out, scale, recipes)
+    if _is_main():
         _write_all(out, scale, recipes)
-    _write_all(out, scale, recipes)
     return {"recipes": recipes, "scale": scale}
+
+
+def _is_main() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _quiet(_: str) -> None:
+    pass
 
 
 def _write_all(out: Path, scale: str, recipes: dict[str, Any]) -> None:
