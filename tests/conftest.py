@@ -11,3 +11,49 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+# ---- the reliability record (tests/test_reliability_*.py; scripts/reliability_report.py renders it) ----------
+# A test takes the `reliability` fixture and calls record(group, fault, cases, outcome) with what it measured;
+# the record is appended, with whether the test passed, to $POSLAB_RELIABILITY_RESULTS (JSON lines) when
+# that is set, and dropped otherwise.
+
+RELIABILITY_RESULTS = "POSLAB_RELIABILITY_RESULTS"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    setattr(item, f"_reliability_{report.when}", report)
+
+
+class _ReliabilityRecorder:
+    def __init__(self, test: str) -> None:
+        self.test, self.records = test, []
+
+    def record(self, group: str, fault: str, cases: int, outcome: str) -> None:
+        assert isinstance(cases, int) and cases > 0, "a record counts the cases it actually ran"
+        self.records.append({"group": group, "fault": fault, "cases": cases, "outcome": outcome})
+
+
+@pytest.fixture
+def reliability(request):
+    import json
+    import time
+
+    recorder = _ReliabilityRecorder(request.node.nodeid)
+    started = time.perf_counter()
+    yield recorder
+    path = os.environ.get(RELIABILITY_RESULTS)
+    if not path:
+        return
+    call = getattr(request.node, "_reliability_call", None)
+    passed = call is not None and call.passed
+    seconds = round(time.perf_counter() - started, 2)
+    lines = "".join(json.dumps({**r, "test": recorder.test, "passed": passed, "seconds": seconds}) + "\n"
+                    for r in recorder.records)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, lines.encode())  # one append per test: pytest-xdist workers share the file
+    finally:
+        os.close(fd)

@@ -6,20 +6,35 @@ Layout of ``DIR/checkpoints/{last,best}/`` (the file names follow the Hugging Fa
     optimizer.pt                       AdamW state, keyed by parameter name (independent of sharding)
     scheduler.pt                       LambdaLR state
     rng_state.pt                       python / numpy / torch (/ CUDA) generator states, one entry per rank
-    trainer_state.json                 step (= data position: sources are indexed by step), best metric
+    trainer_state.json                 step (= data position: sources are indexed by step), best metric,
+                                       and the checkpoint format, poslab version and model type
+    checksums.sha256                   sha256 of every other file (``sha256sum -c checksums.sha256``)
+    previous/                          the checkpoint this one replaced, same layout
 
-Writes are atomic: everything goes to a hidden sibling directory, is fsynced, and is then renamed into
-place; the previous checkpoint is moved aside first and deleted only once the new one is in place. If a
-crash lands between the two renames, ``resolve`` finds the moved-aside copy.
+Integrity: the checksum file is written last and lists every file of the directory, so a torn, truncated
+or bit-flipped checkpoint fails ``verify``. ``resolve`` verifies before anything is loaded and falls back
+to ``previous`` (reporting why in one line), so one bad checkpoint costs ``checkpoint_every`` steps, not
+the run.
+
+Atomicity: a save writes a hidden sibling ``.NAME.tmp`` and fsyncs it, then drops ``NAME/previous``,
+moves ``NAME`` aside to ``.NAME.old``, renames the new one in and tucks the old one in as its
+``previous``. At every instant one of ``NAME``, ``NAME/previous`` or ``.NAME.old`` is complete, and the
+next save finishes whatever an interrupted one left.
+
+Test seam: ``crash_point`` lets crash tests kill the process at a named point (see its docstring).
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import random
 import shutil
-from collections import defaultdict
+import signal
+import sys
+from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +44,37 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers.utils import logging as hf_logging
 
-from poslab.errors import CheckpointError
+from poslab.errors import CheckpointError, PoslabError
 
+FORMAT = 1  # bump when a poslab can no longer resume the checkpoints of the previous format
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 RNG_FILE = "rng_state.pt"
+MANIFEST = "checksums.sha256"
+PREVIOUS = "previous"
+CRASH_ENV = "POSLAB_CRASH_AT"
+
+_crossed: Counter[str] = Counter()
+
+
+def crash_point(name: str) -> None:
+    """Test seam: die here, as abruptly as a power cut, when ``POSLAB_CRASH_AT`` asks for it.
+
+    ``POSLAB_CRASH_AT=NAME@N`` sends SIGKILL to this process the N-th time (default 1) execution crosses a
+    point named NAME or NAME.<anything> (``save@3``: the third point inside any save). Points: ``step``
+    (gradients computed, optimizer not yet stepped), ``evaluate`` (metrics computed, not yet logged) and
+    ``save.<checkpoint>.<stage>`` (each stage of ``save_checkpoint``, e.g. ``save.last.renamed``). Unset, as outside crash tests, it costs one
+    environment lookup per point, a few per step.
+    """
+    spec = os.environ.get(CRASH_ENV)
+    if not spec:
+        return
+    target, _, count = spec.partition("@")
+    if name == target or name.startswith(target + "."):
+        _crossed[target] += 1
+        if _crossed[target] == int(count or 1):
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def rng_state() -> dict[str, Any]:
@@ -70,44 +110,109 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
 ) -> None:
     """Write a checkpoint directory atomically (call on one rank). ``model`` is the Hugging Face model whose
-    ``save_pretrained`` writes config and weights; ``model_state`` its full (unsharded) state dict."""
+    ``save_pretrained`` writes config and weights; ``model_state`` its full (unsharded) state dict.
+    ``trainer_state`` is stored with the checkpoint format, poslab version and model type added."""
+    from poslab import __version__  # late: the package imports the training engine
+
     path = Path(path)
     tmp, old = _aside(path, "tmp"), _aside(path, "old")
-    if not path.exists() and old.exists():  # a previous save died between its renames: restore that copy
-        os.rename(old, path)
+    if old.exists():  # a previous save died after moving NAME aside: finish its rotation
+        os.rename(old, path / PREVIOUS if path.exists() else path)
     if tmp.exists():  # a previous save died while writing
         shutil.rmtree(tmp)
     with _no_hf_progress_bar():  # a bar per save would bury the training log
         model.save_pretrained(tmp, state_dict=model_state)
-    torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
-    torch.save(scheduler_state, tmp / SCHEDULER_FILE)
-    torch.save(rng_states, tmp / RNG_FILE)
-    (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2) + "\n")
+    crash_point(f"save.{path.name}.model")
+    for name, obj in ((OPTIMIZER_FILE, optimizer_state), (SCHEDULER_FILE, scheduler_state), (RNG_FILE, rng_states)):
+        torch.save(obj, tmp / name)
+        crash_point(f"save.{path.name}.{name.removesuffix('.pt')}")
+    state = {**trainer_state, "format": FORMAT, "poslab_version": __version__, "model_type": model.config.model_type}
+    (tmp / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+    crash_point(f"save.{path.name}.state")
+    write_manifest(tmp)
+    crash_point(f"save.{path.name}.manifest")
     for file in tmp.iterdir():
         _fsync(file)
     _fsync(tmp)
     if path.exists():
-        if old.exists():
-            shutil.rmtree(old)
+        shutil.rmtree(path / PREVIOUS, ignore_errors=True)
+        crash_point(f"save.{path.name}.dropped_previous")
         os.rename(path, old)
+        crash_point(f"save.{path.name}.moved_aside")
     os.rename(tmp, path)
     _fsync(path.parent)
-    shutil.rmtree(old, ignore_errors=True)
+    crash_point(f"save.{path.name}.renamed")
+    if old.exists():
+        os.rename(old, path / PREVIOUS)
+        _fsync(path)
+        crash_point(f"save.{path.name}.tucked")
 
 
-def resolve(path: Path) -> Path:
-    """The complete checkpoint at ``path`` (or its moved-aside copy after an interrupted save)."""
+def write_manifest(path: Path) -> None:
+    """Write ``path/checksums.sha256`` covering every other file of the directory (``sha256sum`` format)."""
     path = Path(path)
-    for candidate in (path, _aside(path, "old")):
-        if (candidate / STATE_FILE).is_file():
-            return candidate
-    raise CheckpointError(f"no checkpoint at {path} (missing {STATE_FILE})")
+    lines = [f"{_sha256(f)}  {f.name}\n" for f in sorted(path.iterdir()) if f.is_file() and f.name != MANIFEST]
+    (path / MANIFEST).write_text("".join(lines))
+
+
+def verify(path: Path) -> None:
+    """Raise CheckpointError (one line: what is wrong with which file) unless every file of the checkpoint
+    at ``path`` is listed in its checksums and matches them."""
+    path = Path(path)
+    try:
+        text = (path / MANIFEST).read_text()
+    except (OSError, UnicodeDecodeError):
+        raise CheckpointError(f"{path} is incomplete: no readable {MANIFEST}") from None
+    listed = {}
+    for line in text.splitlines():
+        digest, sep, name = line.partition("  ")
+        if not sep or len(digest) != 64:
+            raise CheckpointError(f"{path} is corrupt: {MANIFEST} has a malformed line {line[:60]!r}")
+        listed[name] = digest
+    present = {f.name for f in path.iterdir() if f.is_file() and f.name != MANIFEST}
+    if missing := sorted(listed.keys() - present):
+        raise CheckpointError(f"{path} is incomplete: {missing[0]} is missing")
+    if unlisted := sorted(present - listed.keys()):
+        raise CheckpointError(f"{path} is corrupt: {unlisted[0]} is not in {MANIFEST} (a damaged list, or a file "
+                              "added later)")
+    if STATE_FILE not in listed:
+        raise CheckpointError(f"{path} is incomplete: no {STATE_FILE}")
+    for name, digest in sorted(listed.items()):
+        if _sha256(path / name) != digest:
+            raise CheckpointError(f"{path} is corrupt: {name} does not match its sha256 in {MANIFEST}")
+
+
+def resolve(path: Path, log: Callable[[str], None] | None = None) -> Path:
+    """The newest intact checkpoint among ``path``, ``path/previous`` and an interrupted save's moved-aside
+    copy. When a newer one was skipped, ``log`` (default: stderr) gets one line saying why and what is used.
+    Raises CheckpointError when none is intact, or when the intact one is of another checkpoint format."""
+    problems = []
+    for candidate in candidates(path):
+        if not candidate.is_dir():
+            continue
+        try:
+            verify(candidate)
+        except CheckpointError as err:
+            problems.append(str(err))
+            continue
+        state = load_trainer_state(candidate)
+        _check_format(candidate, state)
+        if problems:
+            (log or warn)(f"{'; '.join(problems)}; using {candidate} (step {state.get('step')})")
+        return candidate
+    raise CheckpointError(f"no checkpoint at {path}" + (f": {'; '.join(problems)}" if problems else ""))
+
+
+def candidates(path: Path) -> list[Path]:
+    """Where the copies of checkpoint ``path`` can be, newest first."""
+    path = Path(path)
+    return [path, path / PREVIOUS, _aside(path, "old")]
 
 
 def load_trainer_state(path: Path) -> dict[str, Any]:
     try:
         return json.loads((Path(path) / STATE_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CheckpointError(f"cannot read {Path(path) / STATE_FILE}: {err}") from None
 
 
@@ -117,17 +222,19 @@ def load_states(path: Path) -> tuple[dict[str, Any], dict[str, Any], list[dict[s
     for name in (OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE):
         try:
             out.append(torch.load(Path(path) / name, map_location="cpu", weights_only=True))
-        except (OSError, RuntimeError, EOFError) as err:
-            raise CheckpointError(f"cannot read {Path(path) / name}: {err}") from None
+        except Exception as err:  # unpickling raises anything from EOFError to UnpicklingError
+            raise CheckpointError(f"cannot read {Path(path) / name}: {str(err).splitlines()[0]}") from None
     return tuple(out)
 
 
 def load_weights(model: nn.Module, path: Path) -> None:
-    """Load ``save_pretrained`` safetensors weights (one file or shards) into ``model``, in place.
+    """Load ``save_pretrained`` safetensors weights (one file or shards) into ``model``, in place, after
+    checking that they were saved from a model of the same type and configuration.
 
     ``save_pretrained`` stores a tied matrix once, under one of its names, so a name missing from the
     file is fine when another name of the same parameter was loaded.
     """
+    check_model(model, path)
     files = sorted(Path(path).glob("model*.safetensors"))
     if not files:
         raise CheckpointError(f"no model*.safetensors in {path}")
@@ -148,6 +255,65 @@ def load_weights(model: nn.Module, path: Path) -> None:
     missing = [k for k in missing if not (by_name.get(k, set()) & state.keys())]
     if missing or unexpected:
         raise CheckpointError(f"{path} does not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+
+
+def check_model(model: nn.Module, path: Path) -> None:
+    """Raise CheckpointError naming the first difference unless ``path/config.json`` describes ``model``."""
+    file = Path(path) / "config.json"
+    try:
+        saved = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"cannot read {file}: {err}") from None
+    ours = model.config
+    if not isinstance(saved, dict) or saved.get("model_type") != ours.model_type:
+        kind = saved.get("model_type") if isinstance(saved, dict) else None
+        raise CheckpointError(f"{path} does not fit this model: it holds a '{kind}' model, this config builds "
+                              f"a '{ours.model_type}' model")
+    try:
+        spec = type(ours).from_dict(saved).spec.to_dict()
+    except (PoslabError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{file} is not a valid '{ours.model_type}' config: {err}") from None
+    difference = first_difference(_plain(spec), _plain(ours.spec.to_dict()), "model")
+    if difference is not None:
+        raise CheckpointError(f"{path} does not fit this model: {difference}")
+
+
+def first_difference(a: Any, b: Any, path: str) -> str | None:
+    """'path.key (a's value there, b's value now)' for the first key where nested mappings differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b), key=str):
+            diff = first_difference(a.get(key), b.get(key), f"{path}.{key}")
+            if diff is not None:
+                return diff
+        return None
+    return None if a == b else f"{path} ({a!r} there, {b!r} now)"
+
+
+def _check_format(path: Path, state: dict[str, Any]) -> None:
+    from poslab import __version__
+
+    if state.get("format") != FORMAT:
+        writer = state.get("poslab_version", "an older version")
+        raise CheckpointError(f"{path} was written by poslab {writer} in checkpoint format {state.get('format')}; "
+                              f"poslab {__version__} reads format {FORMAT}: continue the run with poslab {writer}, "
+                              "or start a new run")
+
+
+def _plain(value: Any) -> Any:
+    """JSON's view of a value (tuples become lists), as a config.json read back holds it."""
+    return json.loads(json.dumps(value))
+
+
+def warn(message: str) -> None:
+    print(f"poslab: warning: {message}", file=sys.stderr)
+
+
+def _sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 @contextlib.contextmanager

@@ -12,6 +12,10 @@ compute the same gradient as one process with the whole batch, up to float round
 
 Resume is exact: batches are a function of (seed, step), and the checkpoint restores weights, AdamW
 moments, the schedule position and every RNG, so on CPU the resumed loss sequence is bitwise the same.
+A run killed at any point (tests/test_reliability_crash.py kills it mid-step, mid-evaluation and at every
+stage of a checkpoint save) resumes with ``--resume`` to the same final weights and metrics: from the newest
+intact checkpoint, or from step 0 when it died before its first one. One process at a time owns a run
+directory (``DIR/.lock``, see lock.py).
 """
 from __future__ import annotations
 
@@ -33,11 +37,13 @@ from poslab.models import build_model
 from poslab.train import checkpoint as ckpt
 from poslab.train.config import RunConfig, load_config
 from poslab.train.evaluation import evaluate, targets
+from poslab.train.lock import LOCK_FILE, RunLock, RunLocked
 from poslab.train.monitor import METRICS_FILE, Monitor, truncate_metrics
 from poslab.train.optim import build_optimizer, build_scheduler
 from poslab.train.parallel import Parallel, unwrap
 
 CONFIG_FILE = "config.yaml"
+OWN_TRANSIENTS = {LOCK_FILE, f".{CONFIG_FILE}.tmp"}  # what a run killed before writing config.yaml leaves
 CHECKPOINTS = "checkpoints"
 MODEL_INPUTS = ("input_ids", "attention_mask", "labels")  # other per-token labels are for probes, not the loss
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -67,12 +73,17 @@ def load_run(out_dir: str | Path, which: str | None = None) -> tuple[RunConfig, 
         raise CheckpointError(f"{out_dir} is not a run directory (no {CONFIG_FILE})")
     config = load_config(out_dir / CONFIG_FILE)
     names = [which] if which else ["best", "last"]
+    problems = []
     for name in names:
-        with contextlib.suppress(CheckpointError):
+        try:
             path = ckpt.resolve(out_dir / CHECKPOINTS / name)
             break
+        except CheckpointError as err:
+            problems.append(str(err))
     else:
-        raise CheckpointError(f"no checkpoint {' or '.join(names)} in {out_dir / CHECKPOINTS}")
+        raise CheckpointError("; ".join(problems))
+    if problems and _exists(out_dir / CHECKPOINTS / names[0]):
+        ckpt.warn(f"{problems[0]}; using {path}")
     model = build_model(config.model)
     ckpt.load_weights(model, path)
     return config, model.eval()
@@ -89,7 +100,33 @@ class Trainer:
                 f"({world} x {cfg.grad_accum})")
         require(world > 1 or not cfg.fsdp, "train.fsdp shards the model over several processes: launch with "
                                            "torchrun --nproc_per_node N, or set train.fsdp: false")
-        _check_out_dir(out_dir, config, resume, overwrite)
+        require(not (resume and overwrite), "--resume and --overwrite exclude each other; pick one")
+        require(not out_dir.exists() or out_dir.is_dir(), f"output path {out_dir} exists and is not a directory")
+        self.notes: list[str] = []  # one-line reports for the log, once the monitor exists
+        self.monitor = None
+        self.lock = RunLock(out_dir) if parallel.is_main else None
+        refused = None
+        if self.lock is not None:
+            try:
+                left_by = self.lock.acquire()
+            except RunLocked as err:
+                refused = str(err)
+            else:
+                if left_by:
+                    self.notes.append(f"took over {self.lock.path} from {left_by}, which is no longer running")
+        refused = parallel.broadcast(refused)  # every rank refuses together, none waits at a barrier
+        if refused:
+            raise RunLocked(refused)
+        try:
+            self._open(resume, overwrite)
+        except BaseException:
+            self.close(remove_created=True)  # a refused run leaves nothing behind, not even the directory
+            raise
+
+    def _open(self, resume: bool, overwrite: bool) -> None:
+        """Everything is checked and built before the run directory is written (rank 0 writes)."""
+        config, cfg, parallel, world = self.config, self.cfg, self.parallel, self.parallel.world_size
+        _check_out_dir(self.out, config, resume, overwrite)
         parallel.barrier()  # every rank has looked before rank 0 touches the directory
 
         self.source = config.data.build(config.seed)
@@ -99,10 +136,8 @@ class Trainer:
         self._check_width(self.source.train_batch(0, cfg.batch_size, parallel.rank, world))  # before writing
         _seed_everything(config.seed)  # the same initial weights on every rank
         model = build_model(config.model)
-        last = self.out / CHECKPOINTS / "last"
-        state = None
-        if resume:
-            last = ckpt.resolve(last)
+        last = self._resume_point() if resume else None
+        if last is not None:
             state = ckpt.load_trainer_state(last)
             ckpt.load_weights(model, last)
         _seed_everything(config.seed + parallel.rank)  # independent dropout masks per rank
@@ -117,29 +152,55 @@ class Trainer:
                          else contextlib.nullcontext())
 
         self.step, self.best, self.last_loss = 0, None, math.nan
-        if state is not None:
+        if last is not None:
             optimizer_state, scheduler_state, rng_states = ckpt.load_states(last)
             set_optimizer_state_dict(self.model, self.optimizer, optimizer_state, options=FULL_STATE)
             self.scheduler.load_state_dict(scheduler_state)
             if parallel.rank < len(rng_states):  # a resume on more ranks keeps the fresh per-rank seeds
                 ckpt.set_rng_state(rng_states[parallel.rank])
             self.step, self.best, self.last_loss = state["step"], state["best"], state["last_loss"]
-            with contextlib.suppress(CheckpointError):  # best may be newer than last: trust its own record
-                self.best = ckpt.load_trainer_state(ckpt.resolve(self.out / CHECKPOINTS / "best"))["best"]
-        self.monitor = None
+        if resume and _exists(self.out / CHECKPOINTS / "best"):  # best may be newer than last: trust its record
+            with contextlib.suppress(CheckpointError):
+                self.best = ckpt.load_trainer_state(ckpt.resolve(self.out / CHECKPOINTS / "best",
+                                                                 self.notes.append))["best"]
         if parallel.is_main:
-            _init_out_dir(out_dir, config, overwrite)
+            _init_out_dir(self.out, config, overwrite)
             if resume:
                 truncate_metrics(self.out / METRICS_FILE, self.step)
             self.monitor = Monitor(self.out, cfg.steps, self.step)
-            if resume:
+            for note in self.notes:
+                self.monitor.message(note)
+            if last is not None:
                 self.monitor.message(f"resumed {self.out} at step {self.step} from {last}")
         parallel.barrier()
+
+    def _resume_point(self) -> Path | None:
+        """The checkpoint to resume from, or None when the run died before writing its first one."""
+        from poslab import __version__
+
+        last = self.out / CHECKPOINTS / "last"
+        if not _exists(last):
+            self.notes.append(f"{self.out} has no checkpoint yet (the run stopped before its first one): "
+                              "starting from step 0")
+            return None
+        last = ckpt.resolve(last, self.notes.append)
+        writer = ckpt.load_trainer_state(last).get("poslab_version")
+        if writer != __version__:
+            self.notes.append(f"{last} was written by poslab {writer}; continuing with poslab {__version__}")
+        return last
+
+    def close(self, remove_created: bool = False) -> None:
+        """Release the run directory (and the monitor's files). Safe to call more than once."""
+        if self.monitor is not None:
+            self.monitor.close()
+            self.monitor = None
+        if self.lock is not None:
+            self.lock.release(remove_created)
 
     # ---- the loop ---------------------------------------------------------------------------------------
 
     def fit(self) -> dict[str, Any]:
-        """Train to train.steps. Returns step, train_loss (of the last step), seconds (this session's wall time),
+        """Train to train.steps and release the run directory. Returns step, train_loss (of the last step), seconds (this session's wall time),
         tokens_per_s (over this session's training steps, evaluation and checkpoints excluded), the final
         evaluation as eval_<metric>, and best_step / best_<metric>."""
         cfg, start_step, started = self.cfg, self.step, time.perf_counter()
@@ -167,8 +228,7 @@ class Trainer:
             if self.step > start_step and saved != self.step:
                 self._save("last")
         finally:
-            if self.monitor is not None:
-                self.monitor.close()
+            self.close()
         seconds = time.perf_counter() - started
         out = {"step": self.step, "train_loss": self.last_loss, "seconds": seconds,
                "tokens_per_s": tokens_total / step_seconds if tokens_total else math.nan}
@@ -206,6 +266,7 @@ class Trainer:
         clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf  # inf: measure the norm, scale by exactly 1
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        ckpt.crash_point("step")
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self._diverged(step + 1, "loss" if not math.isfinite(loss) else "gradient norm",
                            loss if not math.isfinite(loss) else grad_norm)
@@ -241,6 +302,7 @@ class Trainer:
 
     def _evaluate(self) -> tuple[int, dict[str, float]]:
         metrics = evaluate(unwrap(self.model), self.source, self.config, self.device, self.autocast)
+        ckpt.crash_point("evaluate")
         if self.monitor is not None:
             self.monitor.log_eval(self.step, metrics)
         name, mode = self.cfg.best_metric, self.cfg.best_mode
@@ -272,12 +334,12 @@ class Trainer:
 
 def _check_out_dir(out: Path, config: RunConfig, resume: bool, overwrite: bool) -> None:
     """Refuse to clobber, and check that a resumed run is the same run (read-only, on every rank)."""
-    require(not (resume and overwrite), "--resume and --overwrite exclude each other; pick one")
-    require(not out.exists() or out.is_dir(), f"output path {out} exists and is not a directory")
     if resume:
-        ckpt.resolve(out / CHECKPOINTS / "last")
+        if not (out / CONFIG_FILE).is_file():
+            raise CheckpointError(f"no checkpoint to resume in {out}: it is not a poslab run directory "
+                                  f"(no {CONFIG_FILE})")
         _check_same_run(load_config(out / CONFIG_FILE), config)
-    elif out.exists() and any(out.iterdir()):
+    elif any(path.name not in OWN_TRANSIENTS for path in _children(out)):
         require(overwrite, f"output directory {out} is not empty; pass --resume to continue the run in it "
                            "or --overwrite to replace it")
         require((out / CONFIG_FILE).is_file(),
@@ -285,33 +347,40 @@ def _check_out_dir(out: Path, config: RunConfig, resume: bool, overwrite: bool) 
 
 
 def _init_out_dir(out: Path, config: RunConfig, overwrite: bool) -> None:
-    """Called once everything is built, so a config error leaves no directory behind (rank 0 only)."""
-    if overwrite and out.exists():
-        shutil.rmtree(out)
-    (out / CHECKPOINTS).mkdir(parents=True, exist_ok=True)
+    """Called once everything is built, so a config error leaves no directory behind (rank 0 only).
+    config.yaml goes first: a run killed later is a run directory that --resume recognises."""
+    if overwrite:
+        for path in _children(out):
+            if path.name == LOCK_FILE:  # the lock stays held (and in place) while the old run goes
+                continue
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+    out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".{CONFIG_FILE}.tmp"
     tmp.write_text(config.to_yaml())
     os.replace(tmp, out / CONFIG_FILE)
+    (out / CHECKPOINTS).mkdir(exist_ok=True)
+
+
+def _children(directory: Path) -> list[Path]:
+    return list(directory.iterdir()) if directory.is_dir() else []
+
+
+def _exists(checkpoint: Path) -> bool:
+    """Whether any copy of a checkpoint (intact or not) is on disk: the run got as far as saving it."""
+    return any(path.exists() for path in ckpt.candidates(checkpoint))
 
 
 def _check_same_run(saved: RunConfig, new: RunConfig) -> None:
     """A resumed run may change train settings (e.g. more steps) but not the seed, model or data."""
     old, cur = saved.to_dict(), new.to_dict()
     for section in ("seed", "model", "data"):
-        key = _first_difference(old[section], cur[section], section)
+        key = ckpt.first_difference(old[section], cur[section], section)
         if key is not None:
             raise ConfigError(f"cannot resume: {key} differs from the run's config.yaml; resume with that config "
                               "(only train settings may change)")
-
-
-def _first_difference(a: Any, b: Any, path: str) -> str | None:
-    if isinstance(a, dict) and isinstance(b, dict):
-        for key in sorted(set(a) | set(b)):
-            diff = _first_difference(a.get(key), b.get(key), f"{path}.{key}")
-            if diff is not None:
-                return diff
-        return None
-    return None if a == b else f"{path} ({a!r} there, {b!r} now)"
 
 
 def _seed_everything(seed: int) -> None:

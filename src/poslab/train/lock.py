@@ -1,0 +1,90 @@
+"""One run per output directory: ``DIR/.lock``, held with ``flock`` for as long as the run's process lives.
+
+The kernel drops an flock when its process dies, however it dies (SIGKILL, the OOM killer, a power cut of
+the node), so a lock never outlives a crashed owner: its file stays behind, holding the dead owner's pid,
+and the next run takes it over. A run that finds the lock held refuses in one line naming the holder.
+(On NFS, Linux maps flock to POSIX byte-range locks, which NFSv4 servers honour across nodes.)
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+from pathlib import Path
+
+from poslab.errors import PoslabError
+
+LOCK_FILE = ".lock"
+
+
+class RunLocked(PoslabError):
+    """Another live process is running in this output directory."""
+
+
+class RunLock:
+    """``acquire`` creates the directory when needed and takes the lock; ``release`` gives both back."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self.path = self.directory / LOCK_FILE
+        self.fd: int | None = None
+        self.created: list[Path] = []  # directories acquire made, outermost first
+
+    def acquire(self) -> str | None:
+        """Take the lock or raise RunLocked. Returns the owner a crashed run left in the file (its pid and
+        host), or None when the file was new or released cleanly."""
+        self.created = _make_dirs(self.directory)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = _read(fd) or "owner still starting"
+                os.close(fd)
+                raise RunLocked(f"{self.directory} is in use by another poslab run ({owner}); wait for it to finish "
+                                "or choose another output directory") from None
+            # The previous holder unlinks the file as it releases: if that happened between our open and our
+            # flock, we hold a lock on a file no one else will open, so start again on the new one.
+            try:
+                if os.path.samestat(os.fstat(fd), os.stat(self.path)):
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        left_by = _read(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self.fd = fd
+        return left_by or None
+
+    def release(self, remove_created: bool = False) -> None:
+        """Give the lock back (unlinking its file first, so no one locks a file that is going away). With
+        ``remove_created``, also remove the directories ``acquire`` made, if nothing else was written there."""
+        if self.fd is None:
+            return
+        self.path.unlink(missing_ok=True)
+        os.close(self.fd)
+        self.fd = None
+        if remove_created:
+            for directory in reversed(self.created):
+                try:
+                    directory.rmdir()
+                except OSError:  # not empty: the run wrote something there, which stays
+                    break
+
+
+def _make_dirs(directory: Path) -> list[Path]:
+    missing = []
+    while not directory.exists():
+        missing.append(directory)
+        if directory.parent == directory:
+            break
+        directory = directory.parent
+    missing.reverse()
+    if missing:
+        missing[-1].mkdir(parents=True, exist_ok=True)
+    return missing
+
+
+def _read(fd: int) -> str:
+    return os.pread(fd, 256, 0).decode("utf-8", "replace").strip()
