@@ -110,3 +110,11 @@ def test_long_positions_keep_phase_precision():
     ref = pope_polar(x.double(), pos.double(), theta.double())
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.double(), ref, rtol=0.05, atol=0.05)
+
+
+def test_forced_triton_backend_without_cuda_is_a_clear_error():
+    from poslab.errors import ConfigError
+
+    model = pope_model("triton")
+    with pytest.raises(ConfigError, match="attn_backend 'triton' needs a CUDA GPU"):
+        model(torch.randint(0, 40, (1, 8)))

@@ -78,11 +78,10 @@ def pope_attention(
     from poslab.attention.pope import pope_sdpa  # late: attention imports this module
 
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if q.is_cuda:
-        from poslab.kernels import triton_available
+    from poslab.kernels import fused_pope_supports
 
-        if triton_available():
-            from poslab.kernels.pope_flash import pope_flash_attention
+    if q.is_cuda and fused_pope_supports(q):
+        from poslab.kernels.pope_flash import pope_flash_attention
 
-            return pope_flash_attention(q, k, v, delta, base=base, causal=causal, scale=scale)
+        return pope_flash_attention(q, k, v, delta, base=base, causal=causal, scale=scale)
     return pope_sdpa(q, k, v, delta, base=base, causal=causal, scale=scale)

@@ -10,7 +10,7 @@ import os
 
 import torch
 
-__all__ = ["triton_available"]
+__all__ = ["fused_pope_supports", "triton_available"]
 
 
 def triton_available() -> bool:
@@ -26,3 +26,12 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def fused_pope_supports(q: torch.Tensor) -> bool:
+    """Whether the fused PoPE kernel can run on this q (and k, v of the same kind) here."""
+    if not triton_available() or not (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    from poslab.kernels.pope_flash import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
+
+    return q.shape[-1] in SUPPORTED_HEAD_DIMS and q.dtype in SUPPORTED_DTYPES

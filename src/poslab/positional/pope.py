@@ -70,10 +70,11 @@ class PolarLayer(LayerPositional):
         return torch.nn.functional.softplus(q.float()), torch.nn.functional.softplus(k.float())
 
     def fused_attention(self, q, k, v, q_pos, k_pos, *, causal, scale, key_padding):
-        from poslab.kernels import triton_available
+        from poslab.kernels import fused_pope_supports
 
-        # The kernel takes positions as start offsets; general position tensors go the Cartesian way.
-        if not (q.is_cuda and triton_available()) or q_pos.shape[0] != 1 or k_pos.shape[0] != 1:
+        # The kernel takes positions as start offsets, so it serves position rows shared by the batch
+        # that count up by one; anything else goes the Cartesian way.
+        if not q.is_cuda or not fused_pope_supports(q) or not (_is_range(q_pos) and _is_range(k_pos)):
             return None
         from poslab.kernels.pope_flash import pope_flash_attention
 
@@ -82,6 +83,11 @@ class PolarLayer(LayerPositional):
             q, k, v, self.delta, base=self.base, causal=causal, scale=scale,
             q_start=int(q_pos[0, 0]), k_start=int(k_pos[0, 0]), seq_lens=seq_lens,
         )
+
+
+def _is_range(pos: torch.Tensor) -> bool:
+    """pos (1, n) equals start, start + 1, ..., start + n - 1."""
+    return pos.shape[0] == 1 and torch.equal(pos[0], pos[0, 0] + torch.arange(pos.shape[1], device=pos.device))
 
 
 class PoPE(Scheme):
