@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 from poslab.errors import PoslabError
 
 
@@ -12,6 +14,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--scale", default="quick", help="quick (CPU minutes) or paper (GPUs, torchrun)")
     p.add_argument("--out", default="runs/reproduce", help="output directory (default runs/reproduce)")
     p.add_argument("--force", action="store_true", help="redo recipes that already finished in --out")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: 1 at quick scale, where the models are too small for "
+                        "intra-op parallelism to pay; torch's default otherwise)")
     p.add_argument("--list", action="store_true", help="list the recipes and exit")
     p.set_defaults(func=run)
 
@@ -25,6 +30,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not args.names:
         raise PoslabError("name a recipe or 'all' (see 'poslab reproduce --list')")
+    threads = args.threads if args.threads is not None else (1 if args.scale in ("quick", "smoke") else None)
+    if threads is not None:
+        if threads < 1:
+            raise PoslabError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
     data = reproduce(args.names, args.scale, args.out, force=args.force)
     held = sum(c["held"] for r in data["recipes"].values() for c in r["claims"])
     total = sum(len(r["claims"]) for r in data["recipes"].values())
