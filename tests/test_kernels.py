@@ -6,7 +6,8 @@ variable when it decorates functions, its own standard library included, at impo
 same process may have imported triton already, so the interpreter checks run in one child process
 (``python tests/test_kernels.py NAME...`` with the variable set), and each pytest test reports one check.
 bf16 is checked only on CUDA: the interpreter multiplies bf16 bit patterns in ``tl.dot``
-(triton-lang/triton#11584, unsupported upstream). CUDA tests are skipped without a GPU.
+(triton-lang/triton#11584, unsupported upstream). CUDA tests are skipped without a GPU; a slow test
+compiles every kernel for sm_90 ahead of time, which needs no GPU.
 """
 from __future__ import annotations
 
@@ -234,6 +235,39 @@ def test_triton_available_follows_cuda_or_interpreter(monkeypatch):
     assert triton_available()
     monkeypatch.delenv("TRITON_INTERPRET")
     assert triton_available() == torch.cuda.is_available()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("kernel", ["fwd", "dq", "dkdv"])
+def test_kernels_compile_for_hopper_without_a_gpu(monkeypatch, kernel, d, dtype):
+    """Ahead-of-time compile for sm_90 (Triton's bundled ptxas, no GPU needed): catches what the
+    interpreter accepts but the compiler rejects, and tiles that overflow shared memory."""
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated to silence its warning
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import poslab.kernels.pope_flash as module
+
+    fn = {"fwd": module._fwd_kernel, "dq": module._bwd_dq_kernel, "dkdv": module._bwd_dkdv_kernel}[kernel]
+    if not isinstance(fn, triton.runtime.jit.JITFunction):
+        pytest.skip("the kernel module was decorated under TRITON_INTERPRET=1 in this process")
+    kinds = {"LSE": "*fp32", "DSUM": "*fp32", "DELTA": "*fp32", "DDELTA": "*fp32", "TURNS32": "*fp32",
+             "TURNS": "*fp64", "QSTART": "*i32", "KSTART": "*i32", "KLEN": "*i32", "QLEN": "*i32",
+             "qk_scale": "fp32", "scale": "fp32"}
+    block_m, block_n, warps, stages = module._launch_config(kernel, d)
+    constants = dict(D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=True, HAS_DELTA=True,
+                     PRECISION="ieee" if dtype == "fp32" else "tf32")
+    kinds.update({name: f"*{dtype}" for name in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")})
+    signature = {name: "constexpr" if name in constants else kinds.get(name, "i32") for name in fn.arg_names}
+    compiled = triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": stages})
+    assert "wgmma" in compiled.asm["ptx"] or dtype == "fp32"  # Hopper tensor cores on the 16-bit path
+    assert compiled.metadata.shared <= 227 * 1024  # the most one H100/H200 block may use
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the interpreter tests cover CPU)")
