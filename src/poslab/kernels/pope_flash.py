@@ -28,6 +28,7 @@ reports for sm_90a, not from timings: no GPU has run these kernels yet.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -439,7 +440,8 @@ def _launch_config(kernel: str, d: int) -> tuple[int, int, int, int]:
     }[kernel]
 
 
-def _turns(d: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+@functools.lru_cache(maxsize=64)
+def _turns(d: int, base: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """theta_c / (2 pi) as fp64 (d,) and as fp32 (2, d) = [hi, lo] with hi holding 16 significant bits,
     so that j * hi is exact in fp32 for any tile row j < 256. theta_c is poslab.functional's fp32 value."""
     turns = pope_frequencies(d, base, device).double() / (2 * math.pi)
@@ -501,15 +503,15 @@ class _PopeFlash(torch.autograd.Function):
 
 
 def _per_batch(value, b: int, name: str, device) -> torch.Tensor:
-    """An int or a (batch,) integer tensor -> (batch,) int32 on device."""
+    """An int or a (batch,) integer tensor -> (batch,) int32 on device. Positions stay below 2^30 so that
+    the kernels' int32 index arithmetic cannot overflow (a tensor costs one host sync to check)."""
     if isinstance(value, torch.Tensor):
         require(value.shape == (b,) and not value.is_floating_point() and not value.is_complex(),
                 f"{name} must be an int or an integer tensor of shape ({b},), got {value.dtype} {tuple(value.shape)}")
-        value = value.to(device=device, dtype=torch.int64)
-    else:
-        value = torch.full((b,), int(value), device=device, dtype=torch.int64)
-    require(bool((value.abs() < 2**30).all()), f"{name} must stay below 2^30 in magnitude")
-    return value.to(torch.int32)
+        require(bool((value.abs() < 2**30).all()), f"{name} must stay below 2^30 in magnitude")
+        return value.to(device=device, dtype=torch.int32)
+    require(abs(int(value)) < 2**30, f"{name} must stay below 2^30 in magnitude, got {value}")
+    return torch.full((b,), int(value), device=device, dtype=torch.int32)
 
 
 def pope_flash_attention(
@@ -552,7 +554,7 @@ def pope_flash_attention(
         require(bool(((k_len >= 0) & (k_len <= nk)).all()), f"seq_lens must lie in [0, {nk}] (the key length)")
         # a query at or past the end of the valid keys is padding
         q_len = (k_start_t + k_len - q_start_t).clamp(0, nq).to(torch.int32)
-    turns, turns32 = _turns(d, base, q.device)
+    turns, turns32 = _turns(d, float(base), q.device)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     delta_f = None if delta is None else delta.float().contiguous()
