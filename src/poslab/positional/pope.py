@@ -78,7 +78,12 @@ class PolarLayer(LayerPositional):
             return None
         from poslab.kernels.pope_flash import pope_flash_attention
 
-        seq_lens = None if key_padding is None else key_padding.sum(-1).to(torch.int32)
+        seq_lens = None
+        if key_padding is not None:
+            seq_lens = key_padding.sum(-1).to(torch.int32)
+            right_padded = torch.arange(key_padding.shape[1], device=q.device)[None] < seq_lens[:, None]
+            if not torch.equal(key_padding.bool(), right_padded):  # the kernel's seq_lens mean right padding
+                return None
         return pope_flash_attention(
             q, k, v, self.delta, base=self.base, causal=causal, scale=scale,
             q_start=int(q_pos[0, 0]), k_start=int(k_pos[0, 0]), seq_lens=seq_lens,
