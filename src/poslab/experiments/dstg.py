@@ -21,7 +21,7 @@ from poslab.analysis.runs import Run
 from poslab.experiments import claims
 from poslab.experiments.common import ensure_run, rel
 from poslab.experiments.runner import RecipeResult
-from poslab.models.dstg import ready_config
+from poslab.models.dstg import count_parameters, match_ffn_hidden, ready_config
 
 MODELS = ("dstg", "ap_neobert", "rope_neobert", "rp_neobert")
 DATA_DIR = Path(__file__).resolve().parents[1] / "configs" / "data"
@@ -29,13 +29,22 @@ DATA_DIR = Path(__file__).resolve().parents[1] / "configs" / "data"
 TOKEN, SEGMENT, INTRA = "position", "sentence_index", "pos_in_sentence"
 
 SCALES = {
-    "quick": {"models": "quick", "data": "mlm_quick.yaml", "documents": 3000, "tokenizer_documents": 1000,
-              "train": {"steps": 300, "batch_size": 32, "lr": 2e-3, "min_lr": 2e-4, "warmup_steps": 30},
+    # One document per sequence (no packing), so sentence and paragraph indices count from the start of
+    # the input, as segment-level position must; short documents keep every sentence inside 64 tokens.
+    # benchmarks/quick_search/DSTG_FINDINGS.md records the configurations tried and what they showed.
+    "quick": {"models": "quick", "data": "mlm_quick.yaml", "documents": 6000, "tokenizer_documents": 1000,
+              "data_overrides": {"seq_len": 64, "packing": False,
+                                 "source": {"paragraphs": [1, 2], "sentences": [2, 3], "phrases": [0, 1],
+                                            "adjectives": [0, 1]}},
+              "model_overrides": {"max_seq_len": 64},
+              "train": {"steps": 200, "batch_size": 32, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 20},
               "sequences": 96},
     "smoke": {"models": "quick", "data": "mlm_quick.yaml", "documents": 60, "tokenizer_documents": 30,
+              "data_overrides": {"seq_len": 64, "packing": False}, "model_overrides": {"max_seq_len": 64},
               "train": {"steps": 3, "batch_size": 8, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 1},
               "sequences": 24},
     "paper": {"models": "paper", "data": "mlm_paper.yaml", "documents": None, "tokenizer_documents": None,
+              "data_overrides": {}, "model_overrides": {},
               "train": {"steps": 100000, "batch_size": 512, "lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 2000,
                         "betas": [0.9, 0.95], "weight_decay": 0.01, "grad_clip": 1.0},
               "sequences": 2048},
@@ -48,8 +57,18 @@ def data_section(scale: dict, out: Path) -> dict:
         data["source"]["documents"] = scale["documents"]
         data["tokenizer"]["train_documents"] = scale["tokenizer_documents"]
         data["validation_documents"] = max(8, scale["documents"] // 20)
+    for key, value in scale["data_overrides"].items():
+        data[key] = {**data[key], **value} if isinstance(value, dict) else value
     # Every model reads the one prepared corpus: prepared once, under this recipe's directory.
     return {"kind": "mlm", "cache_dir": str(out / "data"), **data}
+
+
+def model_sections(scale: dict) -> dict[str, dict]:
+    """The four ready configs with the scale's overrides; DSTG's FFN re-matched to RoPE-NeoBERT's count."""
+    models = {name: {**ready_config(name, scale["models"]), **scale["model_overrides"]} for name in MODELS}
+    if scale["model_overrides"]:
+        models["dstg"]["ffn_hidden"] = match_ffn_hidden(models["dstg"], count_parameters(models["rope_neobert"]))
+    return models
 
 
 def structure_probes(run: Run, opts: Options) -> dict[str, dict[str, float]]:
@@ -68,8 +87,7 @@ def run(scale_name: str, out: Path, log: Callable[[str], None]) -> RecipeResult:
     scale = SCALES[scale_name]
     data = data_section(scale, out)
     runs, finals = {}, {}
-    for name in MODELS:
-        model = ready_config(name, scale["models"])
+    for name, model in model_sections(scale).items():
         model["vocab_size"] = None  # the trained tokenizer's
         config = {"seed": 0, "model": model, "data": data,
                   "train": {"eval_every": 0, "eval_batches": 8, "log_every": 50, **scale["train"]}}
