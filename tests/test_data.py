@@ -185,10 +185,15 @@ def test_batches_are_a_function_of_seed_and_step(prepared):
     for step in (0, 1, 2, 5, 6):
         x, y = a.train_batch(step, 8), eager.train_batch(step, 8)
         assert all(torch.equal(x[k], y[k]) for k in x)
-    # Evaluation masks do not depend on the batch size.
+    # Evaluation masks do not depend on the batch size; unmasked sequences are the same text.
     e1 = torch.cat([bt["labels"] for bt in a.eval_batches("validation", 3)])
     e2 = torch.cat([bt["labels"] for bt in a.eval_batches("validation", 5)])
     assert torch.equal(e1, e2)
+    masked = torch.cat([bt["input_ids"] for bt in a.eval_batches("validation", 4)])
+    intact = list(a.sequence_batches("validation", 4))
+    assert "labels" not in intact[0] and "sentence_index" in intact[0]
+    intact = torch.cat([bt["input_ids"] for bt in intact])
+    assert torch.equal(torch.where(e1 != -100, e1, masked), intact) and (intact != a.mask_token_id).all()
 
 
 def test_lm_labels_and_batch_keys(prepared):

@@ -44,6 +44,7 @@ def _int_range(value: Any, name: str, minimum: int = 0) -> tuple[int, int]:
 
 
 SPECIAL_ROLES = ("cls", "sep", "pad", "mask", "unk")
+BERT_SPECIAL_TOKENS = {"cls": "[CLS]", "sep": "[SEP]", "pad": "[PAD]", "mask": "[MASK]", "unk": "[UNK]"}
 
 
 @dataclass
@@ -61,8 +62,7 @@ class TokenizerConfig:
     lowercase: bool = True
     min_frequency: int = 2
     train_documents: int = 100_000
-    special_tokens: dict[str, str] = field(default_factory=lambda: {
-        "cls": "[CLS]", "sep": "[SEP]", "pad": "[PAD]", "mask": "[MASK]", "unk": "[UNK]"})
+    special_tokens: dict[str, str | None] = field(default_factory=lambda: dict(BERT_SPECIAL_TOKENS))
 
     def __post_init__(self) -> None:
         from poslab.data.tokenizer import TRAINABLE  # the registry lives with the trainers
@@ -80,8 +80,7 @@ class TokenizerConfig:
         for role in self.special_tokens:
             if role not in SPECIAL_ROLES:
                 raise ConfigError(unknown_key_message("special-token role", str(role), SPECIAL_ROLES))
-        self.special_tokens = {**TokenizerConfig.__dataclass_fields__["special_tokens"].default_factory(),
-                               **self.special_tokens}
+        self.special_tokens = {**BERT_SPECIAL_TOKENS, **self.special_tokens}  # roles not named keep BERT's
 
 
 @dataclass(frozen=True)
@@ -129,7 +128,7 @@ class DataConfig:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     validation_documents: int = 0
     shard_tokens: int = 16_000_000
-    batch_documents: int = 256
+    batch_documents: int = 1024
     seq_len: int = 128
     packing: bool = True
     masking: MaskingConfig | None = None

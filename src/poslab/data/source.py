@@ -139,13 +139,23 @@ class TextBatchSource(abc.ABC):
         return _tensors(self._label(batch, (self.seed, _TRAIN, step, rows[:, None])))
 
     def eval_batches(self, split: str, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
-        require(batch_size >= 1, f"batch_size must be >= 1, got {batch_size}")
+        """Every sequence of ``split`` in order, labelled (MLM masks depend on the sequence, not the batch)."""
         split_key = int(hash_keys(*split.encode()) % np.uint64(1 << 62))
+        for index, batch in self._in_order(split, batch_size):
+            yield _tensors(self._label(batch, (self.seed, _EVAL, split_key, index[:, None])))
+
+    def sequence_batches(self, split: str, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
+        """Every sequence of ``split`` in order, unmasked and without ``labels``: input_ids, attention_mask
+        and the structure labels, for probing representations of intact text."""
+        for _, batch in self._in_order(split, batch_size):
+            yield _tensors(batch)
+
+    def _in_order(self, split: str, batch_size: int) -> Iterator[tuple[np.ndarray, dict[str, np.ndarray]]]:
+        require(batch_size >= 1, f"batch_size must be >= 1, got {batch_size}")
         n = self.num_sequences(split)
         for start in range(0, n, batch_size):
             index = np.arange(start, min(start + batch_size, n), dtype=np.int64)
-            batch = self._sequences(split, index)
-            yield _tensors(self._label(batch, (self.seed, _EVAL, split_key, index[:, None])))
+            yield index, self._sequences(split, index)
 
 
 class MLMSource(TextBatchSource):

@@ -23,6 +23,8 @@ _COL = {name: i for i, name in enumerate(SENTENCE_COLUMNS)}
 
 
 class Split:
+    """One split's token stream (its shards end to end); ``offsets[i]`` is where shard i starts in it."""
+
     def __init__(self, directory: Path, info: dict) -> None:
         self.directory = directory
         self.names = [s["name"] for s in info["shards"]]
