@@ -1,7 +1,7 @@
 """What every recipe needs: train a run unless it already finished, and read its numbers back."""
 from __future__ import annotations
 
-import copy
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -12,17 +12,6 @@ from poslab.train.checkpoint import load_trainer_state, resolve
 from poslab.errors import CheckpointError
 
 FINAL = "final.json"
-
-
-def merged(base: dict[str, Any], **sections: dict[str, Any]) -> dict[str, Any]:
-    """A deep copy of ``base`` with each named section updated (one level deep)."""
-    out = copy.deepcopy(base)
-    for name, values in sections.items():
-        if isinstance(out.get(name), dict) and isinstance(values, dict):
-            out[name] = {**out[name], **copy.deepcopy(values)}
-        else:
-            out[name] = copy.deepcopy(values)
-    return out
 
 
 def rel(path: Path | str, recipe_dir: Path) -> str:
@@ -40,10 +29,8 @@ def ensure_run(config: dict[str, Any], out: Path, log: Callable[[str], None]) ->
         if metrics.get("step") == cfg.train.steps:
             return metrics
     resume = False
-    try:
+    with contextlib.suppress(CheckpointError):  # no checkpoint yet: a fresh run
         resume = load_trainer_state(resolve(out / "checkpoints" / "last"))["step"] > 0
-    except CheckpointError:
-        pass
     log(f"  training {out.name}: {cfg.model.to_dict().get('positional', {}).get('name', cfg.model.to_dict()['arch'])}"
         f", {cfg.train.steps} steps")
     metrics = train(cfg, out, resume=resume, overwrite=not resume and out.exists())

@@ -112,7 +112,7 @@ def reproduce(names: list[str], scale: str, out: str | Path, force: bool = False
     names = resolve(names)
     out = Path(out)
     if not _is_main():
-        log = _quiet
+        log = lambda _: None  # noqa: E731  (other ranks stay silent)
     check_writable(out)
     results_path = out / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
@@ -142,10 +142,6 @@ def reproduce(names: list[str], scale: str, out: str | Path, force: bool = False
 
 def _is_main() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
-
-
-def _quiet(_: str) -> None:
-    pass
 
 
 def _write_all(out: Path, scale: str, recipes: dict[str, Any]) -> None:
