@@ -100,6 +100,7 @@ class Trainer:
                 f"({world} x {cfg.grad_accum})")
         require(world > 1 or not cfg.fsdp, "train.fsdp shards the model over several processes: launch with "
                                            "torchrun --nproc_per_node N, or set train.fsdp: false")
+        require(0 <= config.seed < 2**63, f"seed must be an integer in [0, 2^63), got {config.seed}")
         require(not (resume and overwrite), "--resume and --overwrite exclude each other; pick one")
         require(not out_dir.exists() or out_dir.is_dir(), f"output path {out_dir} exists and is not a directory")
         self.notes: list[str] = []  # one-line reports for the log, once the monitor exists
@@ -134,6 +135,7 @@ class Trainer:
                 f"model.vocab_size ({config.model.vocab_size}) is smaller than the data's vocabulary "
                 f"({self.source.vocab_size}); set model.vocab_size: null to take it from the data")
         self._check_width(self.source.train_batch(0, cfg.batch_size, parallel.rank, world))  # before writing
+        _check_memory(config, parallel)
         _seed_everything(config.seed)  # the same initial weights on every rank
         model = build_model(config.model)
         last = self._resume_point() if resume else None
@@ -222,8 +224,9 @@ class Trainer:
                     window = dict.fromkeys(window, 0)
                 if cfg.eval_every and self.step % cfg.eval_every == 0:
                     evaluated = self._evaluate()
-                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps:
                     saved = self._save("last")
+            # The final weights are evaluated before they are saved: a run never ends on a broken checkpoint.
             final = evaluated if evaluated is not None and evaluated[0] == self.step else self._evaluate()
             if self.step > start_step and saved != self.step:
                 self._save("last")
@@ -268,8 +271,8 @@ class Trainer:
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         ckpt.crash_point("step")
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            self._diverged(step + 1, "loss" if not math.isfinite(loss) else "gradient norm",
-                           loss if not math.isfinite(loss) else grad_norm)
+            self._diverged(f"loss is {loss} at step {step + 1}" if not math.isfinite(loss)
+                           else f"gradient norm is {grad_norm} at step {step + 1}")
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
@@ -283,14 +286,13 @@ class Trainer:
             raise ConfigError(f"the data has sequences of {width} tokens but model.max_seq_len is "
                               f"{self.config.model.max_seq_len}; raise model.max_seq_len")
 
-    def _diverged(self, step: int, what: str, value: float) -> None:
+    def _diverged(self, what: str) -> None:
         last = self.out / CHECKPOINTS / "last"
         try:
             kept = f"the last good checkpoint is {last} (step {ckpt.load_trainer_state(ckpt.resolve(last))['step']})"
         except CheckpointError:
             kept = "no checkpoint was written yet"
-        raise TrainingDiverged(f"training diverged: {what} is {value} at step {step}; {kept}; "
-                               "lower train.lr or raise train.warmup_steps")
+        raise TrainingDiverged(f"training diverged: {what}; {kept}; lower train.lr or raise train.warmup_steps")
 
     def _log(self, record: dict[str, float], window: dict[str, float]) -> None:
         if self.monitor is None:
@@ -305,6 +307,8 @@ class Trainer:
         ckpt.crash_point("evaluate")
         if self.monitor is not None:
             self.monitor.log_eval(self.step, metrics)
+        if metrics.get("tokens") and not math.isfinite(metrics["loss"]):  # finite logits give a finite loss
+            self._diverged(f"evaluation loss is {metrics['loss']} at step {self.step}")
         name, mode = self.cfg.best_metric, self.cfg.best_mode
         if name not in metrics:
             raise ConfigError(f"train.best_metric '{name}' is not an evaluation metric here "
@@ -321,6 +325,13 @@ class Trainer:
     def _save(self, name: str) -> int:
         """Write checkpoints/<name> (a collective: every rank must call it). Returns the step saved."""
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=FULL_STATE)
+        # A step's loss is computed before its update, so an update can leave non-finite weights behind a finite
+        # loss: never keep them as the last good checkpoint. (Finite but exploded weights are caught by the
+        # evaluation, which always precedes the final save, or by the next step's loss.)
+        bad = next((k for k, v in model_state.items() if v.is_floating_point() and not v.isfinite().all()), None)
+        bad = self.parallel.broadcast(bad)  # rank 0 holds the full state; every rank must stop together
+        if bad is not None:
+            self._diverged(f"weight {bad} is not finite after step {self.step}")
         rng_states = self.parallel.gather(ckpt.rng_state())
         if self.parallel.is_main:
             ckpt.save_checkpoint(self.out / CHECKPOINTS / name, unwrap(self.model), model_state, optimizer_state,
@@ -330,6 +341,29 @@ class Trainer:
         self.parallel.barrier()
         return self.step
 
+
+
+def _check_memory(config: RunConfig, parallel: Parallel) -> None:
+    """Refuse a model whose weights, gradients and AdamW moments alone exceed the device's memory: building
+    it would fail with an allocator error, or swap the machine to a halt. Sized on the meta device."""
+    try:
+        with torch.device("meta"):
+            model = build_model(config.model)
+    except (RuntimeError, TypeError) as err:  # sizes past int64 fail even on the meta device
+        if "overflow" not in str(err).lower():
+            raise
+        raise ConfigError(f"the model is too large to build ({str(err).splitlines()[0]}); lower model.d_model, "
+                          "model.n_layers, model.vocab_size or model.max_seq_len") from None
+    count = sum(p.numel() for p in model.parameters())
+    need = (4 * sum(p.numel() * p.element_size() for p in model.parameters())
+            + sum(b.numel() * b.element_size() for b in model.buffers()))
+    need /= parallel.world_size if config.train.fsdp else 1
+    device = parallel.device
+    total = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
+             else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    require(need <= total, f"the model's {count:,} parameters need {need / 2**30:,.1f} GiB (weights, gradients, "
+                           f"AdamW moments) per process, more than the {total / 2**30:,.1f} GiB of {device}; lower "
+                           "model.d_model, model.n_layers, model.vocab_size or model.max_seq_len")
 
 
 def _check_out_dir(out: Path, config: RunConfig, resume: bool, overwrite: bool) -> None:
