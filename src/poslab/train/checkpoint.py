@@ -162,7 +162,8 @@ def verify(path: Path) -> None:
     try:
         text = (path / MANIFEST).read_text()
     except (OSError, UnicodeDecodeError):
-        raise CheckpointError(f"{path} is incomplete: no readable {MANIFEST}") from None
+        raise CheckpointError(f"{path} is incomplete: no readable {MANIFEST} (a damaged copy, or a checkpoint "
+                              "from a poslab before checkpoint format 1)") from None
     listed = {}
     for line in text.splitlines():
         digest, sep, name = line.partition("  ")
