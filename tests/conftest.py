@@ -15,8 +15,8 @@ def _seed():
 
 # ---- the reliability record (tests/test_reliability_*.py; scripts/reliability_report.py renders it) ----------
 # A test takes the `reliability` fixture and calls record(group, fault, cases, outcome) with what it measured;
-# the record is appended, with whether the test passed, to $POSLAB_RELIABILITY_RESULTS (JSON lines) when
-# that is set, and dropped otherwise.
+# the record is appended, with the test's result (passed, failed, xfailed), to $POSLAB_RELIABILITY_RESULTS
+# (JSON lines) when that is set, and dropped otherwise.
 
 RELIABILITY_RESULTS = "POSLAB_RELIABILITY_RESULTS"
 
@@ -48,9 +48,9 @@ def reliability(request):
     if not path:
         return
     call = getattr(request.node, "_reliability_call", None)
-    passed = call is not None and call.passed
+    result = "not run" if call is None else "xfailed" if hasattr(call, "wasxfail") and call.skipped else call.outcome
     seconds = round(time.perf_counter() - started, 2)
-    lines = "".join(json.dumps({**r, "test": recorder.test, "passed": passed, "seconds": seconds}) + "\n"
+    lines = "".join(json.dumps({**r, "test": recorder.test, "result": result, "seconds": seconds}) + "\n"
                     for r in recorder.records)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
