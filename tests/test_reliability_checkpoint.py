@@ -129,7 +129,8 @@ def test_resume_falls_back_to_the_previous_checkpoint(tmp_path, runs, name, kind
     assert f"resumed {run} at step 2" in err
     a, b = (load_file(r / "checkpoints/last/model.safetensors") for r in (run, four))
     assert all(torch.equal(a[k], b[k]) for k in a)  # two steps later, exactly the uninterrupted run
-    assert json.loads(out)["eval_loss"] == json.loads((four / "metrics.jsonl").read_text().splitlines()[-1])["eval_loss"]
+    final = json.loads((four / "metrics.jsonl").read_text().splitlines()[-1])
+    assert json.loads(out)["eval_loss"] == final["eval_loss"]
     reliability.record("checkpoint", f"resume from a checkpoint whose {name} is damaged ({kind})", 1,
                        "one-line note, resumed from last/previous (one step back); final weights bitwise equal "
                        "to the uninterrupted run")

@@ -330,7 +330,8 @@ TEMPLATES = [[], ["train", "@CONFIG", "--out", "@OUT"], ["data", "prepare", "@DA
 
 def _not_help(token: str) -> bool:
     """argparse expands unambiguous prefixes ('--he' is --help), and help and version exit 0 by design."""
-    return not (token.startswith("-h") or len(token) > 2 and any(flag.startswith(token) for flag in ("--help", "--version")))
+    return not (token.startswith("-h")
+                or len(token) > 2 and any(flag.startswith(token) for flag in ("--help", "--version")))
 
 
 def test_fuzzed_command_lines_exit_cleanly(workdir, reliability):

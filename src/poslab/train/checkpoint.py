@@ -59,13 +59,13 @@ _crossed: Counter[str] = Counter()
 
 
 def crash_point(name: str) -> None:
-    """Test seam: die here, as abruptly as a power cut, when ``POSLAB_CRASH_AT`` asks for it.
+    """Test seam: die here, as abruptly as under the OOM killer, when ``POSLAB_CRASH_AT`` asks for it.
 
     ``POSLAB_CRASH_AT=NAME@N`` sends SIGKILL to this process the N-th time (default 1) execution crosses a
     point named NAME or NAME.<anything> (``save@3``: the third point inside any save). Points: ``step``
     (gradients computed, optimizer not yet stepped), ``evaluate`` (metrics computed, not yet logged) and
-    ``save.<checkpoint>.<stage>`` (each stage of ``save_checkpoint``, e.g. ``save.last.renamed``). Unset, as outside crash tests, it costs one
-    environment lookup per point, a few per step.
+    ``save.<checkpoint>.<stage>`` (each stage of ``save_checkpoint``, e.g. ``save.last.renamed``). Unset, as
+    outside crash tests, it costs one environment lookup per point, a few per step.
     """
     spec = os.environ.get(CRASH_ENV)
     if not spec:

@@ -202,9 +202,9 @@ class Trainer:
     # ---- the loop ---------------------------------------------------------------------------------------
 
     def fit(self) -> dict[str, Any]:
-        """Train to train.steps and release the run directory. Returns step, train_loss (of the last step), seconds (this session's wall time),
-        tokens_per_s (over this session's training steps, evaluation and checkpoints excluded), the final
-        evaluation as eval_<metric>, and best_step / best_<metric>."""
+        """Train to train.steps, then release the run directory. Returns step, train_loss (of the last step),
+        seconds (this session's wall time), tokens_per_s (over this session's training steps, evaluation and
+        checkpoints excluded), the final evaluation as eval_<metric>, and best_step / best_<metric>."""
         cfg, start_step, started = self.cfg, self.step, time.perf_counter()
         window = {"tokens": 0, "seconds": 0.0, "data_seconds": 0.0}
         tokens_total, step_seconds, evaluated, saved = 0, 0.0, None, None
