@@ -41,14 +41,19 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)
     except PoslabError as err:
-        print(f"poslab: error: {err}", file=sys.stderr)
+        _error(str(err))
         return 2
     except OSError as err:  # unreadable input, unwritable output: the user's to fix
-        print(f"poslab: error: {err.strerror or err}: {err.filename or ''}".rstrip(": "), file=sys.stderr)
+        _error(f"{err.strerror or err}: {err.filename or ''}".rstrip(": "))
         return 2
     except KeyboardInterrupt:
         print("poslab: interrupted", file=sys.stderr)
         return 130
+
+
+def _error(message: str) -> None:
+    """One line, whatever the message holds (a path may contain a line break)."""
+    print("poslab: error: " + message.replace("\n", "\\n"), file=sys.stderr)
 
 
 if __name__ == "__main__":
