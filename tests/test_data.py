@@ -256,6 +256,12 @@ def test_local_tokenizer_directory_and_missing_specials(prepared, tmp_path):
         build_mlm_source(0, prepared=str(tmp_path / "y"))
     with pytest.raises(DataError, match="no tokenizer at"):
         prepare(_config(tokenizer={"path": str(tmp_path / "nothing")}), tmp_path / "z")
+    # A bert-base-uncased-style directory (vocab.txt + tokenizer_config.json, no tokenizer.json) loads too.
+    (tmp_path / "bert").mkdir()
+    (tmp_path / "bert" / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "to", "."]))
+    (tmp_path / "bert" / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizer"}))
+    manifest = prepare(_config(tokenizer={"path": str(tmp_path / "bert")}), tmp_path / "b")
+    assert manifest["tokenizer"]["vocab_size"] == 7 and manifest["tokenizer"]["special_ids"]["mask"] == 4
 
 
 # -- bad input ---------------------------------------------------------------------------------------------

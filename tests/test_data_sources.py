@@ -80,16 +80,15 @@ def test_synthetic_lengths_and_determinism():
 
 
 def test_synthetic_structure_cues():
-    corpus = SyntheticCorpus(documents=200, cue_prob=1.0, question_prob=0.0, exclaim_prob=0.0)
+    corpus = SyntheticCorpus(documents=200, cue_prob=1.0, question_prob=0.0)
     for doc in corpus.documents():
         for p, paragraph in enumerate(doc):
             where = "first" if p == 0 else "last" if p == len(doc) - 1 else "middle"
             for s, sentence in enumerate(paragraph):
                 opener = sentence.split(",")[0].lower()
-                expected = PARAGRAPH_CUES[where] if s == 0 else \
-                    SENTENCE_CUES["last" if s == len(paragraph) - 1 else "middle"]
+                expected = PARAGRAPH_CUES[where] if s == 0 else SENTENCE_CUES[min(s, 3) - 1]
                 assert opener in expected, (sentence, where, s)
-                assert sentence[0].isupper() and sentence.endswith(".")
+                assert sentence[0].isupper() and sentence.endswith("!" if s == len(paragraph) - 1 else ".")
 
 
 def test_synthetic_topics_change_between_paragraphs():

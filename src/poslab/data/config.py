@@ -11,8 +11,6 @@ prepared on the fly when no directory is given.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,8 +166,3 @@ class DataConfig:
         """The part of the config that determines the prepared shards (JSON-able)."""
         return {"source": self.source, "tokenizer": dataclasses.asdict(self.tokenizer),
                 "validation_documents": self.validation_documents, "shard_tokens": self.shard_tokens}
-
-    def prepare_key(self) -> str:
-        """Content hash of ``prepare_dict``: the cache directory name for on-the-fly preparation."""
-        text = json.dumps(self.prepare_dict(), sort_keys=True, default=str)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -21,6 +21,7 @@ the end; on any error the temporary directory is removed.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -38,6 +39,7 @@ from tokenizers import Encoding
 
 from poslab.data.config import DataConfig
 from poslab.data.sources import Document, document_text, open_source
+from poslab.data.synthetic import GRAMMAR_VERSION
 from poslab.data.tokenizer import load_tokenizer, save_tokenizer, special_ids, train_tokenizer
 from poslab.errors import DataError
 
@@ -224,6 +226,7 @@ def _write(config: DataConfig, root: Path, log: Callable[[str], None]) -> dict[s
     manifest = {
         "version": MANIFEST_VERSION,
         "config": config.prepare_dict(),
+        "synthetic_grammar": GRAMMAR_VERSION,
         "tokenizer": {"directory": "tokenizer", "vocab_size": vocab_size, "special_ids": ids.__dict__,
                       "origin": origin},
         "token_dtype": token_dtype.name,
@@ -270,6 +273,13 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("POSLAB_CACHE", Path.home() / ".cache" / "poslab")) / "data"
 
 
+def prepare_key(config: DataConfig) -> str:
+    """Cache directory name: a hash of the preparation settings and of the versions of the shard format
+    and of the synthetic grammar, so that changing either prepares afresh instead of reusing stale data."""
+    content = {"prepare": config.prepare_dict(), "format": MANIFEST_VERSION, "grammar": GRAMMAR_VERSION}
+    return hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def ensure_prepared(config: DataConfig, log: Callable[[str], None] = lambda message: None) -> Path:
     """The prepared directory for ``config``: ``prepared`` itself, or a cache entry keyed by the content
     hash of the preparation settings, prepared now if missing (concurrent preparers: the first rename
@@ -279,7 +289,7 @@ def ensure_prepared(config: DataConfig, log: Callable[[str], None] = lambda mess
         if not (path / "manifest.json").is_file():
             raise DataError(f"{path} is not a prepared data directory (no manifest.json); run 'poslab data prepare'")
         return path
-    path = Path(config.cache_dir or default_cache_dir()) / config.prepare_key()
+    path = Path(config.cache_dir or default_cache_dir()) / prepare_key(config)
     if not (path / "manifest.json").is_file():
         log(f"preparing data into cache {path}")
         try:
