@@ -227,7 +227,9 @@ class Trainer:
                 if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps:
                     saved = self._save("last")
             # The final weights are evaluated before they are saved: a run never ends on a broken checkpoint.
-            final = evaluated if evaluated is not None and evaluated[0] == self.step else self._evaluate()
+            # Resuming a finished run evaluates again for the summary, but its record is already in metrics.jsonl.
+            final = (evaluated if evaluated is not None and evaluated[0] == self.step
+                     else self._evaluate(log=self.step > start_step))
             if self.step > start_step and saved != self.step:
                 self._save("last")
         finally:
@@ -302,10 +304,10 @@ class Trainer:
             "tokens_per_s": window["tokens"] / window["seconds"],
             "data_fraction": window["data_seconds"] / window["seconds"]})
 
-    def _evaluate(self) -> tuple[int, dict[str, float]]:
+    def _evaluate(self, log: bool = True) -> tuple[int, dict[str, float]]:
         metrics = evaluate(unwrap(self.model), self.source, self.config, self.device, self.autocast)
         ckpt.crash_point("evaluate")
-        if self.monitor is not None:
+        if self.monitor is not None and log:
             self.monitor.log_eval(self.step, metrics)
         if metrics.get("tokens") and not math.isfinite(metrics["loss"]):  # finite logits give a finite loss
             self._diverged(f"evaluation loss is {metrics['loss']} at step {self.step}")
