@@ -194,8 +194,9 @@ def test_every_kill_point_alone(tmp_path, reference, point, reliability):
     config, ref_dir, ref_log, _ = reference
     out, log = crash_and_resume(tmp_path, config, [point])
     assert_same_run(out, ref_dir, log, ref_log)
-    reliability.record("crash", f"SIGKILL at {point}, one kill per run", 1,
-                       "latest checkpoint intact; resumed run bitwise equal")
+    reliability.record("crash", "SIGKILL at one point per run, then --resume: every save stage of last and of best "
+                       "(their 1st and 2nd save), the 1st to 4th step and evaluation", 1,
+                       "latest checkpoint intact; resumed run bitwise equal to the uninterrupted one")
 
 
 @pytest.mark.slow
