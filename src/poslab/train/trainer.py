@@ -4,6 +4,8 @@
     DIR/metrics.jsonl        training and evaluation records (see monitor.py)
     DIR/checkpoints/last     written every train.checkpoint_every steps and at the end
     DIR/checkpoints/best     written whenever the evaluation metric train.best_metric improves
+                             (each with checksums and the copy it replaced, see checkpoint.py)
+    DIR/.lock                held while a process runs in DIR (see lock.py)
 
 Loss normalisation: the loss of a step is the mean over every labelled target of the global batch, however
 the batch is split over ranks and accumulation micro-batches. Each micro-batch's mean loss is weighted by
