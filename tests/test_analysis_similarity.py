@@ -127,3 +127,14 @@ def test_sequence_adjacency_scores_each_sequences_real_tokens():
     assert scores[0].item() == pytest.approx(adjacency_score(cosine_self_similarity(h[0])).item())
     assert scores[1].item() == pytest.approx(adjacency_score(cosine_self_similarity(h[1, :6])).item())
     assert torch.isnan(scores[2])  # two real tokens: no row with two earlier positions
+
+
+def test_huge_finite_values_and_low_precision_inputs_are_scored_exactly():
+    """Entries whose sum overflows are still finite (only a non-finite entry voids a row), and half-precision
+    matrices are counted on their exact values, widened to float64."""
+    sim = torch.tensor([[0.0, 0.0, 0.0, 0.0], [1e308, 0.0, 0.0, 0.0], [1e308, 1.7e308, 0.0, 0.0],
+                        [-1e308, 1e308, 1.7e308, 0.0]], dtype=torch.float64)
+    assert same(adjacency_row_scores(sim), adjacency_row_scores_reference(sim))
+    assert float(adjacency_score(sim)) == 1.0
+    half = torch.randn(2, 9, 9).to(torch.bfloat16)
+    assert same(adjacency_row_scores(half), adjacency_row_scores_reference(half.double()))
