@@ -22,13 +22,26 @@ METRICS_FILE = "metrics.jsonl"
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop records past ``last_step`` (written after the checkpoint a resumed run restarts from)."""
+    """Drop records past ``last_step`` (written after the checkpoint a resumed run restarts from), and any
+    line that is not a record: a line torn by a full disk or a power cut is the last one written, so it
+    always belongs to the steps that are being redone."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    keep = [line for line in lines if (step := _record_step(line)) is not None and step <= last_step]
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in keep))
     os.replace(tmp, path)
+
+
+def _record_step(line: str) -> int | None:
+    """The ``step`` of a metrics line, or None when the line is not a whole record."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) else None
 
 
 class Monitor:
