@@ -29,7 +29,7 @@ def test_claims_are_computed_from_the_values():
 def fake_recipes(monkeypatch):
     calls = []
 
-    def fake(scale, out, log):
+    def fake(scale, out, log, jobs):
         calls.append(out.name)
         out.mkdir(parents=True, exist_ok=True)
         return RecipeResult(out.name, scale, [claims.at_least("value is big", 1.0, 2.0, 1.5),
@@ -63,7 +63,7 @@ def test_runner_writes_results_and_report_and_resumes(tmp_path, fake_recipes):
 
 
 def test_interrupted_recipe_leaves_finished_ones(tmp_path, fake_recipes, monkeypatch):
-    def boom(scale, out, log):
+    def boom(scale, out, log, jobs):
         raise KeyboardInterrupt
 
     sys.modules["fake_recipes"].boom = boom
@@ -121,3 +121,25 @@ def test_every_recipe_runs_end_to_end_at_smoke_scale(tmp_path):
         for figure in record["figures"]:
             assert (tmp_path / figure).is_file(), figure
     assert (tmp_path / "report.md").read_text().startswith("# poslab reproduction (smoke scale)")
+
+
+def test_parallel_runs_equal_sequential_ones_and_skip_finished(tmp_path):
+    """Two trainings side by side in worker processes give the metrics they give one after another (CPU
+    training is deterministic per seed), write their progress to a log, and are not trained again."""
+    from poslab.experiments.common import ensure_runs
+    from poslab.experiments.indirect_indexing import SCALES, run_config
+
+    def runs(root):
+        return {seed: (run_config(SCALES["smoke"], "pope", seed), root / f"s{seed}") for seed in (0, 1)}
+
+    lines = []
+    parallel = ensure_runs(runs(tmp_path / "par"), lines.append, jobs=2)
+    sequential = ensure_runs(runs(tmp_path / "seq"), lambda _: None, jobs=1)
+    timing = ("seconds", "tokens_per_s")
+    learned = {seed: {k: v for k, v in m.items() if k not in timing} for seed, m in parallel.items()}
+    assert learned == {seed: {k: v for k, v in m.items() if k not in timing} for seed, m in sequential.items()}
+    assert learned[0] != learned[1]
+    assert sum("worker process" in line for line in lines) == 2
+    assert "step 3/3" in (tmp_path / "par" / "s0.log").read_text()
+    lines.clear()
+    assert ensure_runs(runs(tmp_path / "par"), lines.append, jobs=2) == parallel and lines == []

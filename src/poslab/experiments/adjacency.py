@@ -7,6 +7,7 @@ cosine-similarity vs variance features, and task accuracy of NoPE against RoPE.
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 from typing import Callable
 
@@ -18,7 +19,7 @@ from poslab.analysis.commands import Options, adjacency as adjacency_analysis, p
 from poslab.analysis.runs import Run
 from poslab.analysis.similarity import sequence_adjacency
 from poslab.experiments import claims
-from poslab.experiments.common import ensure_run, rel
+from poslab.experiments.common import ensure_runs, rel
 from poslab.experiments.runner import RecipeResult
 from poslab.models import build_model
 from poslab.train import RunConfig
@@ -65,22 +66,19 @@ def first_layer_scores(model: torch.nn.Module, batches: list[dict]) -> dict[str,
     return {name: float(sequence_adjacency(caps[name], mask).nanmean()) for name in caps}
 
 
-def run(scale_name: str, out: Path, log: Callable[[str], None]) -> RecipeResult:
+def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1) -> RecipeResult:
     scale = SCALES[scale_name]
     table, trained_scores, init_scores, embed_scores = [], {}, {}, {}
     accuracy: dict[str, dict[str, float]] = {"nope": {}, "rope": {}}
     probe_result = None
     figures = []
+    finals = ensure_runs({(scheme, task, seed): (run_config(scale, task, scheme, seed),
+                                                 out / "runs" / f"{scheme}-{task}-s{seed}")
+                          for task in TASKS for seed in scale["seeds"] for scheme in ("nope", "rope")}, log, jobs)
     for task in TASKS:
-        nope_em, rope_em = [], []
-        for seed in scale["seeds"]:
-            tag = f"{task}-s{seed}"
-            metrics = ensure_run(run_config(scale, task, "nope", seed), out / "runs" / f"nope-{tag}", log)
-            nope_em.append(metrics["eval_exact_match"])
-            rope_em.append(ensure_run(run_config(scale, task, "rope", seed), out / "runs" / f"rope-{tag}",
-                                      log)["eval_exact_match"])
-        accuracy["nope"][task] = sum(nope_em) / len(nope_em)
-        accuracy["rope"][task] = sum(rope_em) / len(rope_em)
+        for scheme in ("nope", "rope"):
+            accuracy[scheme][task] = statistics.fmean(finals[scheme, task, seed]["eval_exact_match"]
+                                                      for seed in scale["seeds"])
         run_dir = out / "runs" / f"nope-{task}-s{scale['seeds'][0]}"
         analysed = Run.load(run_dir)
         data = adjacency_analysis(analysed, Options(sequences=scale["sequences"], batch_size=32))

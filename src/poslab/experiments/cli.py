@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -17,6 +18,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: 1 at quick scale, where the models are too small for "
                         "intra-op parallelism to pay; torch's default otherwise)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="models trained side by side, each in its own process (default: one per CPU at quick "
+                        "scale, 1 otherwise and always under torchrun)")
     p.add_argument("--list", action="store_true", help="list the recipes and exit")
     p.set_defaults(func=run)
 
@@ -30,12 +34,16 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not args.names:
         raise PoslabError("name a recipe or 'all' (see 'poslab reproduce --list')")
-    threads = args.threads if args.threads is not None else (1 if args.scale in ("quick", "smoke") else None)
+    small = args.scale in ("quick", "smoke")
+    threads = args.threads if args.threads is not None else (1 if small else None)
     if threads is not None:
         if threads < 1:
             raise PoslabError(f"--threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
-    data = reproduce(args.names, args.scale, args.out, force=args.force)
+    jobs = args.jobs if args.jobs is not None else len(os.sched_getaffinity(0)) if small else 1
+    if jobs < 1:
+        raise PoslabError(f"--jobs must be >= 1, got {jobs}")
+    data = reproduce(args.names, args.scale, args.out, force=args.force, jobs=jobs)
     held = sum(c["held"] for r in data["recipes"].values() for c in r["claims"])
     total = sum(len(r["claims"]) for r in data["recipes"].values())
     print(f"{held}/{total} claims held; report: {args.out}/report.md")

@@ -3,9 +3,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
+
+import torch
 
 from poslab.train import RunConfig, train
 from poslab.train.checkpoint import load_trainer_state, resolve
@@ -19,15 +23,23 @@ def rel(path: Path | str, recipe_dir: Path) -> str:
     return os.path.relpath(path, recipe_dir.parent)
 
 
-def ensure_run(config: dict[str, Any], out: Path, log: Callable[[str], None]) -> dict[str, Any]:
-    """Train ``config`` into ``out`` and return its final metrics. A finished run is not trained again
-    (its metrics come from out/final.json); an interrupted one resumes from its last checkpoint."""
-    cfg = RunConfig.from_dict(config)
+def finished(cfg: RunConfig, out: Path) -> dict[str, Any] | None:
+    """The final metrics of a run in ``out`` that trained all of ``cfg``'s steps, else None."""
     final = out / FINAL
     if final.exists():
         metrics = json.loads(final.read_text())
         if metrics.get("step") == cfg.train.steps:
             return metrics
+    return None
+
+
+def ensure_run(config: dict[str, Any], out: Path, log: Callable[[str], None]) -> dict[str, Any]:
+    """Train ``config`` into ``out`` and return its final metrics. A finished run is not trained again
+    (its metrics come from out/final.json); an interrupted one resumes from its last checkpoint."""
+    cfg = RunConfig.from_dict(config)
+    metrics = finished(cfg, out)
+    if metrics is not None:
+        return metrics
     resume = False
     with contextlib.suppress(CheckpointError):  # no checkpoint yet: a fresh run
         resume = load_trainer_state(resolve(out / "checkpoints" / "last"))["step"] > 0
@@ -37,5 +49,39 @@ def ensure_run(config: dict[str, Any], out: Path, log: Callable[[str], None]) ->
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one writer
         tmp = out / f".{FINAL}.tmp"
         tmp.write_text(json.dumps(metrics, default=float))
-        tmp.replace(final)
+        tmp.replace(out / FINAL)
     return metrics
+
+
+def ensure_runs(runs: dict[str, tuple[dict[str, Any], Path]], log: Callable[[str], None],
+                jobs: int = 1) -> dict[str, dict[str, Any]]:
+    """``ensure_run`` for each named (config, out), up to ``jobs`` at a time, and their final metrics by name.
+
+    Small CPU models gain little from intra-op threads, so independent trainings side by side, each in its
+    own process with a share of this process's torch threads, use the cores better than one after another.
+    A parallel run's progress goes to ``out`` + ".log" (interleaved bars would be unreadable). Under
+    torchrun every rank trains every run together, so runs stay sequential there.
+    """
+    pending = {name: (config, out) for name, (config, out) in runs.items()
+               if finished(RunConfig.from_dict(config), out) is None}
+    if jobs <= 1 or len(pending) <= 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return {name: ensure_run(config, out, log) for name, (config, out) in runs.items()}
+    threads = max(1, torch.get_num_threads() // jobs)
+    pool = ProcessPoolExecutor(max_workers=min(jobs, len(pending)), mp_context=multiprocessing.get_context("spawn"))
+    try:
+        futures = {}
+        for name, (config, out) in pending.items():
+            log(f"  training {out.name} in a worker process (progress: {out}.log)")
+            futures[name] = pool.submit(_ensure_run_in_worker, config, out, threads)
+        done = {name: future.result() for name, future in futures.items()}
+    finally:
+        pool.shutdown(cancel_futures=True)  # after a failure, do not start the runs still queued
+    return {name: done[name] if name in done else ensure_run(config, out, log)
+            for name, (config, out) in runs.items()}
+
+
+def _ensure_run_in_worker(config: dict[str, Any], out: Path, threads: int) -> dict[str, Any]:
+    torch.set_num_threads(threads)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{out}.log", "a") as stream, contextlib.redirect_stdout(stream), contextlib.redirect_stderr(stream):
+        return ensure_run(config, out, print)

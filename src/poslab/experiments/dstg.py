@@ -19,7 +19,7 @@ from poslab.analysis.runs import by_depth
 from poslab.analysis.commands import spectra as spectra_analysis
 from poslab.analysis.runs import Run
 from poslab.experiments import claims
-from poslab.experiments.common import ensure_run, rel
+from poslab.experiments.common import ensure_runs, rel
 from poslab.experiments.runner import RecipeResult
 from poslab.models.dstg import count_parameters, match_ffn_hidden, ready_config
 
@@ -83,16 +83,17 @@ def structure_probes(run: Run, opts: Options) -> dict[str, dict[str, float]]:
             for t, y in targets.items()}
 
 
-def run(scale_name: str, out: Path, log: Callable[[str], None]) -> RecipeResult:
+def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1) -> RecipeResult:
     scale = SCALES[scale_name]
     data = data_section(scale, out)
-    runs, finals = {}, {}
+    configs = {}
     for name, model in model_sections(scale).items():
         model["vocab_size"] = None  # the trained tokenizer's
-        config = {"seed": 0, "model": model, "data": data,
-                  "train": {"eval_every": 0, "eval_batches": 8, "log_every": 50, **scale["train"]}}
-        finals[name] = ensure_run(config, out / "runs" / name, log)
-        runs[name] = Run.load(out / "runs" / name)
+        configs[name] = ({"seed": 0, "model": model, "data": data,
+                          "train": {"eval_every": 0, "eval_batches": 8, "log_every": 50, **scale["train"]}},
+                         out / "runs" / name)
+    finals = ensure_runs(configs, log, jobs)
+    runs = {name: Run.load(out / "runs" / name) for name in configs}
     opts = Options(sequences=scale["sequences"], batch_size=16)
     figures: list[str] = []
 

@@ -15,7 +15,7 @@ import yaml
 from poslab.analysis.commands import Options, extrapolation as extrapolation_analysis
 from poslab.analysis.runs import Run
 from poslab.experiments import claims
-from poslab.experiments.common import ensure_run, rel
+from poslab.experiments.common import ensure_runs, rel
 from poslab.experiments.runner import RecipeResult
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "configs" / "data"
@@ -56,10 +56,9 @@ def run_config(scale: dict, scheme: str, out: Path) -> dict:
     }
 
 
-def run(scale_name: str, out: Path, log: Callable[[str], None]) -> RecipeResult:
+def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1) -> RecipeResult:
     scale = SCALES[scale_name]
-    for scheme in SCHEMES:
-        ensure_run(run_config(scale, scheme, out), out / "runs" / scheme, log)
+    ensure_runs({scheme: (run_config(scale, scheme, out), out / "runs" / scheme) for scheme in SCHEMES}, log, jobs)
     pope = Run.load(out / "runs" / "pope")
     data = extrapolation_analysis(pope, Options(sequences=scale["sequences"], batch_size=8,
                                                 factors=tuple(scale["factors"]), compare=(str(out / "runs" / "rope"),),

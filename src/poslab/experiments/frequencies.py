@@ -17,7 +17,7 @@ import torch
 from poslab.analysis.commands import Options, frequencies as frequencies_analysis
 from poslab.analysis.runs import Run
 from poslab.experiments import claims, extrapolation
-from poslab.experiments.common import ensure_run, rel
+from poslab.experiments.common import ensure_runs, rel
 from poslab.experiments.runner import RecipeResult
 
 
@@ -33,13 +33,14 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
-def run(scale_name: str, out: Path, log: Callable[[str], None]) -> RecipeResult:
+def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1) -> RecipeResult:
     scale = extrapolation.SCALES[scale_name]
     source = out.parent / "extrapolation"  # share the extrapolation recipe's trained models
     results, figures = {}, []
+    ensure_runs({scheme: (extrapolation.run_config(scale, scheme, source), source / "runs" / scheme)
+                 for scheme in extrapolation.SCHEMES}, log, jobs)
     for scheme in extrapolation.SCHEMES:
         run_dir = source / "runs" / scheme
-        ensure_run(extrapolation.run_config(scale, scheme, source), run_dir, log)
         data = frequencies_analysis(Run.load(run_dir), Options(sequences=scale["sequences"], batch_size=8))
         results[scheme] = data
         figures += [rel(run_dir / "analysis" / f, out) for f in data["figures"]]

@@ -13,7 +13,7 @@ from typing import Callable
 
 from poslab.analysis import plots
 from poslab.experiments import claims
-from poslab.experiments.common import ensure_run, rel
+from poslab.experiments.common import ensure_runs, rel
 from poslab.experiments.runner import RecipeResult
 
 MAIN = ("pope", "rope")
@@ -52,13 +52,12 @@ def run_config(scale: dict, scheme: str, seed: int) -> dict:
     }
 
 
-def run(scale_name: str, out: Path, log: Callable[[str], None]) -> RecipeResult:
+def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1) -> RecipeResult:
     scale = SCALES[scale_name]
-    accuracy: dict[str, list[float]] = {}
-    for scheme in (*MAIN, *scale["others"]):
-        seeds = scale["seeds"] if scheme in MAIN else scale["other_seeds"]
-        accuracy[scheme] = [ensure_run(run_config(scale, scheme, seed), out / "runs" / f"{scheme}-s{seed}",
-                                       log)["eval_exact_match"] for seed in seeds]
+    seeds = {scheme: scale["seeds"] if scheme in MAIN else scale["other_seeds"] for scheme in (*MAIN, *scale["others"])}
+    finals = ensure_runs({(scheme, seed): (run_config(scale, scheme, seed), out / "runs" / f"{scheme}-s{seed}")
+                          for scheme in seeds for seed in seeds[scheme]}, log, jobs)
+    accuracy = {scheme: [finals[scheme, seed]["eval_exact_match"] for seed in seeds[scheme]] for scheme in seeds}
     mean = {s: statistics.fmean(v) for s, v in accuracy.items()}
     std = {s: statistics.pstdev(v) if len(v) > 1 else 0.0 for s, v in accuracy.items()}
     alphabet = scale["task"].get("alphabet_size") or 52

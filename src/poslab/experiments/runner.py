@@ -104,9 +104,10 @@ def check_writable(out: Path) -> None:
 
 
 def reproduce(names: list[str], scale: str, out: str | Path, force: bool = False,
-              log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run recipes into ``out``. Under torchrun every process runs the recipes (training is data-parallel
-    across them); only rank 0 logs and writes results.json and report.md."""
+              log: Callable[[str], None] = print, jobs: int = 1) -> dict[str, Any]:
+    """Run recipes into ``out``, training up to ``jobs`` independent models of a recipe at a time. Under
+    torchrun every process runs the recipes (training is data-parallel across them); only rank 0 logs and
+    writes results.json and report.md."""
     if scale not in SCALES:
         raise ConfigError(f"--scale must be one of {', '.join(SCALES)}, got '{scale}'")
     names = resolve(names)
@@ -126,7 +127,7 @@ def reproduce(names: list[str], scale: str, out: str | Path, force: bool = False
         log(f"[{name}] running at {scale} scale: {RECIPES[name][1]}")
         module, fn = RECIPES[name][0].split(":")
         start = time.perf_counter()
-        result: RecipeResult = getattr(importlib.import_module(module), fn)(scale, out / name, log)
+        result: RecipeResult = getattr(importlib.import_module(module), fn)(scale, out / name, log, jobs)
         result.seconds = time.perf_counter() - start
         record = result.to_dict()
         recipes[name] = record
