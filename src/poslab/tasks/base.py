@@ -86,6 +86,12 @@ def stack(parts: list[Ragged]) -> Ragged:
     return Ragged(codes, np.concatenate([p.lens for p in parts]))
 
 
+# Splits are drawn by rejection (TaskSource._draw), so a split's share of the problem space sets the draws per
+# problem kept: at least 1e-4 for validation and test, at least 0.1 (1 - 2 x 0.45) for training. Closer to 0
+# or 0.5, a run would spend hours drawing before it could tell the split is (nearly) empty.
+HOLDOUT_RANGE = (1e-4, 0.45)
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskOptions:
     """Options every task has; each task subclasses this with its own defaults and fields.
@@ -124,7 +130,8 @@ class TaskOptions:
         for name in ("train_size", "validation_size", "test_size"):
             value = getattr(self, name)
             require(value is None or value >= 1, f"{t}.{name} must be >= 1, got {value}")
-        require(0 < self.holdout < 0.5, f"{t}.holdout must lie in (0, 0.5), got {self.holdout}")
+        low, high = HOLDOUT_RANGE
+        require(low <= self.holdout <= high, f"{t}.holdout must lie in [{low}, {high}], got {self.holdout}")
         require(self.data_seed >= 0, f"{t}.data_seed must be >= 0, got {self.data_seed}")
 
 
