@@ -164,15 +164,6 @@ def hostile_run(draw):
 # that starts failing once its fix lands, so that the entry is then removed.
 # name -> ([(exception, file, function) where raised], input, fix)
 KNOWN_BUGS = {
-    "registry lookup of a non-string name": (
-        [("TypeError", "poslab/train/config.py", "__post_init__"), ("TypeError", "poslab/train/config.py", "from_dict"),
-         ("TypeError", "poslab/tasks/__init__.py", "get_task"),
-         ("TypeError", "poslab/positional/__init__.py", "get_scheme")], ["--set", "data.kind=[]"],
-        "check isinstance(name, str) before `name in REGISTRY` (data kind, model.arch, data.name, positional "
-        "name) and pass str(key) to difflib in errors.unknown_key_message"),
-    "unknown_key_message with a null name": (
-        [("TypeError", "poslab/errors.py", "unknown_key_message")], ["--set", "model.positional.name=null"],
-        "unknown_key_message: close = difflib.get_close_matches(str(key), valid, n=1)"),
     "model.positional not a mapping": (
         [("AttributeError", "poslab/models/config.py", "to_dict")], ["--set", "model.positional=[]"],
         "ModelConfig.__post_init__: reject a positional that is neither a mapping nor a PositionalConfig"),

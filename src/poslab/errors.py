@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class PoslabError(Exception):
@@ -27,12 +30,21 @@ def require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def unknown_key_message(kind: str, key: str, valid: Iterable[str]) -> str:
-    """'unknown <kind> 'x'; did you mean 'y'? valid: a, b, c' -- the closest match first."""
+def unknown_key_message(kind: str, key: object, valid: Iterable[str]) -> str:
+    """'unknown <kind> 'x'; did you mean 'y'? valid: a, b, c' -- the closest match first. The key may be
+    any parsed YAML value (null, a list), which is what a user gets wrong."""
     valid = sorted(valid)
-    close = difflib.get_close_matches(key, valid, n=1)
+    close = difflib.get_close_matches(str(key), valid, n=1)
     hint = f"; did you mean '{close[0]}'?" if close else ""
     return f"unknown {kind} '{key}'{hint} (valid: {', '.join(valid)})"
+
+
+def lookup(kind: str, name: object, registry: Mapping[str, T]) -> T:
+    """registry[name], or ConfigError naming the closest valid name. A name is checked to be a string
+    first: an unhashable one (a list from YAML) would raise TypeError at ``name in registry``."""
+    if not isinstance(name, str) or name not in registry:
+        raise ConfigError(unknown_key_message(kind, name, registry))
+    return registry[name]
 
 
 class InputError(PoslabError, ValueError):

@@ -10,7 +10,7 @@ from typing import Any
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
 
-from poslab.errors import ConfigError, unknown_key_message
+from poslab.errors import lookup
 from poslab.models.cache import ActivationCache
 from poslab.models.config import ModelConfig
 from poslab.models.dstg import DSTGNeoBertConfig, DSTGNeoBertForMaskedLM, DSTGNeoBertModel, build_dstg
@@ -40,10 +40,8 @@ ARCHS: dict[str, tuple[type, Callable[[dict[str, Any]], Any]]] = {
 
 def model_config(values: dict[str, Any]) -> ModelConfig | DSTGConfig:
     """The validated config dataclass of ``values['arch']`` (default decoder)."""
-    arch = values.get("arch", "decoder")
-    if arch not in ARCHS:
-        raise ConfigError(unknown_key_message("arch", str(arch), ARCHS))
-    return ARCHS[arch][0].from_dict(values)
+    config_cls, _ = lookup("arch", values.get("arch", "decoder"), ARCHS)
+    return config_cls.from_dict(values)
 
 
 def build_model(config: dict[str, Any] | ModelConfig | DSTGConfig):

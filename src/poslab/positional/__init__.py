@@ -1,7 +1,7 @@
 """Positional schemes: one file each, one registry line each (see ``base.py`` for the interface)."""
 from __future__ import annotations
 
-from poslab.errors import ConfigError, unknown_key_message
+from poslab.errors import lookup
 from poslab.positional.absolute import LearnedAbsolute
 from poslab.positional.alibi import ALiBi
 from poslab.positional.base import AttentionGeometry, InputPositional, LayerPositional, PositionalConfig, Scheme
@@ -23,9 +23,7 @@ SCHEMES: dict[str, type[Scheme]] = {
 
 
 def get_scheme(name: str) -> type[Scheme]:
-    if name not in SCHEMES:
-        raise ConfigError(unknown_key_message("positional scheme", name, SCHEMES))
-    return SCHEMES[name]
+    return lookup("positional scheme", name, SCHEMES)
 
 
 def build_positional(

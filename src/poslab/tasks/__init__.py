@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from poslab.errors import ConfigError, unknown_key_message
+from poslab.errors import ConfigError, lookup
 from poslab.tasks.addition import Addition
 from poslab.tasks.base import Task, TaskOptions, parse_options
 from poslab.tasks.evaluate import evaluate, exact_match
@@ -29,9 +29,7 @@ TASKS: dict[str, type[Task]] = {
 
 
 def get_task(name: str) -> type[Task]:
-    if name not in TASKS:
-        raise ConfigError(unknown_key_message("task", name, TASKS))
-    return TASKS[name]
+    return lookup("task", name, TASKS)
 
 
 def build_task(name: str, **options: Any) -> Task:

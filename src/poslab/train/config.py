@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from poslab.batches import SOURCES, BatchSource, build_batch_source
-from poslab.errors import ConfigError, require, unknown_key_message
+from poslab.errors import ConfigError, lookup, require, unknown_key_message
 from poslab.models import ARCHS, DSTGConfig, ModelConfig
 
 # arch -> its typed model config (poslab.models.ARCHS names the builders of the same archs).
@@ -106,8 +106,7 @@ class DataConfig:
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.kind not in SOURCES:
-            raise ConfigError(unknown_key_message("data kind", self.kind, SOURCES))
+        lookup("data kind", self.kind, SOURCES)
 
     def build(self, seed: int) -> BatchSource:
         """The batch source; its builder validates the options (and names unknown ones)."""
@@ -134,10 +133,7 @@ class RunConfig:
         data = DataConfig(kind=data_raw.pop("kind", DataConfig.kind), options=data_raw)
         train = _build_dataclass(TrainConfig, _mapping(raw.get("train", {}), "train"), "train")
         model_raw = dict(_mapping(raw.get("model", {}), "model"))
-        arch = model_raw.get("arch", "decoder")
-        if arch not in ARCHS:
-            raise ConfigError(unknown_key_message("model.arch", str(arch), ARCHS))
-        model_cls = ARCHS[arch][0]
+        model_cls, _ = lookup("model.arch", model_raw.get("arch", "decoder"), ARCHS)
         hints = typing.get_type_hints(model_cls)
         # Known keys are converted here; the config's own from_dict names unknown ones (with its hints).
         values = {k: _coerce(hints[k], v, f"model.{k}") if k in hints and v is not None else v
