@@ -164,9 +164,6 @@ def hostile_run(draw):
 # that starts failing once its fix lands, so that the entry is then removed.
 # name -> ([(exception, file, function) where raised], input, fix)
 KNOWN_BUGS = {
-    "model.positional not a mapping": (
-        [("AttributeError", "poslab/models/config.py", "to_dict")], ["--set", "model.positional=[]"],
-        "ModelConfig.__post_init__: reject a positional that is neither a mapping nor a PositionalConfig"),
     "model.positional.options not a mapping": (
         [("TypeError", "poslab/positional/base.py", "__post_init__")], ["--set", "model.positional.options=[1]"],
         "PositionalConfig.__post_init__: require isinstance(self.options, dict) before dict(self.options)"),

@@ -44,6 +44,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if isinstance(self.positional, dict):
             self.positional = PositionalConfig(**_known(self.positional, PositionalConfig, "positional"))
+        require(isinstance(self.positional, PositionalConfig),
+                f"positional must be a mapping like {{name: rope, options: {{}}}}, got {self.positional!r}")
         require(self.arch in ARCHS, f"arch must be one of {', '.join(ARCHS)}, got '{self.arch}'")
         self.norm = self.norm or ("layernorm" if self.arch == "decoder" else "rmsnorm")
         self.mlp = self.mlp or ("gelu" if self.arch == "decoder" else "swiglu")
