@@ -164,9 +164,6 @@ def hostile_run(draw):
 # that starts failing once its fix lands, so that the entry is then removed.
 # name -> ([(exception, file, function) where raised], input, fix)
 KNOWN_BUGS = {
-    "model.positional.options not a mapping": (
-        [("TypeError", "poslab/positional/base.py", "__post_init__")], ["--set", "model.positional.options=[1]"],
-        "PositionalConfig.__post_init__: require isinstance(self.options, dict) before dict(self.options)"),
     "positional option of the wrong type": (
         [("TypeError", "poslab/positional/*.py", "__post_init__")], ["--set", "model.positional.options.base=[1]"],
         "options_dataclass: check each value against its annotation (as poslab.tasks.base.check_type does)"),

@@ -23,6 +23,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from poslab.errors import ConfigError
+
 
 @dataclass
 class PositionalConfig:
@@ -34,7 +36,10 @@ class PositionalConfig:
     def __post_init__(self) -> None:
         from poslab.positional import get_scheme  # late import: the registry imports this module
 
-        self.options = dict(self.options or {})
+        options = {} if self.options is None else self.options
+        if not isinstance(options, dict):
+            raise ConfigError(f"positional options must be a mapping of option names to values, got {options!r}")
+        self.options = dict(options)
         get_scheme(self.name).Options(**self.options)  # raises ConfigError on bad options
 
     def to_dict(self) -> dict[str, Any]:
