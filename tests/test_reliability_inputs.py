@@ -164,9 +164,6 @@ def hostile_run(draw):
 # that starts failing once its fix lands, so that the entry is then removed.
 # name -> ([(exception, file, function) where raised], input, fix)
 KNOWN_BUGS = {
-    "positional option of the wrong type": (
-        [("TypeError", "poslab/positional/*.py", "__post_init__")], ["--set", "model.positional.options.base=[1]"],
-        "options_dataclass: check each value against its annotation (as poslab.tasks.base.check_type does)"),
     "null for a non-optional model number": (
         [("TypeError", "poslab/models/config.py", "__post_init__")], ["--set", "model.init_std=null"],
         "RunConfig.from_dict: coerce None too (only a null vocab_size means 'from the data')"),

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import difflib
+import types
+import typing
 from collections.abc import Iterable, Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -45,6 +47,22 @@ def lookup(kind: str, name: object, registry: Mapping[str, T]) -> T:
     if not isinstance(name, str) or name not in registry:
         raise ConfigError(unknown_key_message(kind, name, registry))
     return registry[name]
+
+
+def check_type(name: str, value: Any, hint: Any) -> None:
+    """Raise ConfigError unless value fits the annotation (int, float, str, bool, or X | None)."""
+    allowed = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    for kind in allowed:
+        if kind is type(None) and value is None:
+            return
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return
+        if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            return
+        if kind in (str, bool) and isinstance(value, kind):
+            return
+    names = " or ".join("null" if k is type(None) else k.__name__ for k in allowed)
+    raise ConfigError(f"{name} must be {names}, got {value!r}")
 
 
 class InputError(PoslabError, ValueError):

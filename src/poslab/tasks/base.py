@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import types
 import typing
 from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from poslab.errors import ConfigError, require, unknown_key_message
+from poslab.errors import ConfigError, check_type, require, unknown_key_message
 
 
 class Ragged(NamedTuple):
@@ -133,22 +132,6 @@ class TaskOptions:
         low, high = HOLDOUT_RANGE
         require(low <= self.holdout <= high, f"{t}.holdout must lie in [{low}, {high}], got {self.holdout}")
         require(self.data_seed >= 0, f"{t}.data_seed must be >= 0, got {self.data_seed}")
-
-
-def check_type(name: str, value: Any, hint: Any) -> None:
-    """Raise ConfigError unless value fits the annotation (int, float, str, bool, or X | None)."""
-    allowed = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
-    for kind in allowed:
-        if kind is type(None) and value is None:
-            return
-        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return
-        if kind is int and isinstance(value, int) and not isinstance(value, bool):
-            return
-        if kind in (str, bool) and isinstance(value, kind):
-            return
-    names = " or ".join("null" if k is type(None) else k.__name__ for k in allowed)
-    raise ConfigError(f"{name} must be {names}, got {value!r}")
 
 
 def parse_options(cls: type[TaskOptions], options: dict[str, Any]) -> TaskOptions:
