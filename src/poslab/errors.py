@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import difflib
+import sys
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -49,13 +50,20 @@ def lookup(kind: str, name: object, registry: Mapping[str, T]) -> T:
     return registry[name]
 
 
+def finite(number: int | float) -> bool:
+    """Whether a number is finite, an int too large for a float included (math.isfinite overflows on one)."""
+    return -sys.float_info.max <= number <= sys.float_info.max
+
+
 def check_type(name: str, value: Any, hint: Any) -> None:
-    """Raise ConfigError unless value fits the annotation (int, float, str, bool, or X | None)."""
+    """Raise ConfigError unless value fits the annotation (int, float, str, bool, or X | None). A float
+    must be finite: nan or inf in a config only ever surfaces later as a non-finite loss."""
     allowed = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
     for kind in allowed:
         if kind is type(None) and value is None:
             return
         if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            require(finite(value), f"{name} must be a finite number, got {value!r}")
             return
         if kind is int and isinstance(value, int) and not isinstance(value, bool):
             return

@@ -14,6 +14,7 @@ spelling. ``--set train.lr=1e-3`` overrides parse their value as YAML.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import sys
@@ -26,7 +27,7 @@ from typing import Any
 import yaml
 
 from poslab.batches import SOURCES, BatchSource, build_batch_source
-from poslab.errors import ConfigError, lookup, require, unknown_key_message
+from poslab.errors import ConfigError, finite, lookup, require, unknown_key_message
 from poslab.models import ARCHS, DSTGConfig, ModelConfig
 
 # arch -> its typed model config (poslab.models.ARCHS names the builders of the same archs).
@@ -231,8 +232,10 @@ def _coerce(kind: Any, value: Any, key: str) -> Any:
         number = _number(value)
         require(number is not None, f"{key} must be a number, got {value!r}")
         if kind is int:
-            require(float(number).is_integer(), f"{key} must be an integer, got {value!r}")
+            require(isinstance(number, int) or float(number).is_integer(), f"{key} must be an integer, got {value!r}")
             return int(number)
+        # nan and inf pass the range checks (nan compares false, inf > 0) and only surface as a NaN loss.
+        require(finite(number), f"{key} must be a finite number, got {value!r}")
         return float(number)
     if kind is str:
         require(isinstance(value, str), f"{key} must be a string, got {value!r}")
@@ -245,8 +248,7 @@ def _number(value: Any) -> float | int | None:
     if isinstance(value, (int, float)):
         return value
     if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return None
+        for parse in (int, float):  # int first: float() rounds integers past 2^53
+            with contextlib.suppress(ValueError):
+                return parse(value)
     return None
