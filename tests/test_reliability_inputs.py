@@ -164,9 +164,6 @@ def hostile_run(draw):
 # that starts failing once its fix lands, so that the entry is then removed.
 # name -> ([(exception, file, function) where raised], input, fix)
 KNOWN_BUGS = {
-    "null for a non-optional model number": (
-        [("TypeError", "poslab/models/config.py", "__post_init__")], ["--set", "model.init_std=null"],
-        "RunConfig.from_dict: coerce None too (only a null vocab_size means 'from the data')"),
     "data_seed of 2^64 or more": (
         [("OverflowError", "poslab/tasks/source.py", "problem_hash")], ["--set", "data.data_seed=18446744073709551616"],
         "TaskOptions.__post_init__: require 0 <= data_seed < 2**64"),

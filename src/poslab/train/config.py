@@ -136,9 +136,10 @@ class RunConfig:
         model_raw = dict(_mapping(raw.get("model", {}), "model"))
         model_cls, _ = lookup("model.arch", model_raw.get("arch", "decoder"), ARCHS)
         hints = typing.get_type_hints(model_cls)
-        # Known keys are converted here; the config's own from_dict names unknown ones (with its hints).
-        values = {k: _coerce(hints[k], v, f"model.{k}") if k in hints and v is not None else v
-                  for k, v in model_raw.items()}
+        # Known keys are converted here; the config's own from_dict names unknown ones (with its hints). A null
+        # vocab_size means "from the data"; a null anywhere else is checked against the key's type like any value.
+        values = {k: _coerce(hints[k], v, f"model.{k}") if k in hints and (v is not None or k != "vocab_size")
+                  else v for k, v in model_raw.items()}
         if values.get("vocab_size") is None:
             # Everything else is checked first: building the source may mean preparing a corpus.
             model_cls.from_dict(values | {"vocab_size": sys.maxsize})
