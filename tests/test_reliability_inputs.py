@@ -164,9 +164,6 @@ def hostile_run(draw):
 # that starts failing once its fix lands, so that the entry is then removed.
 # name -> ([(exception, file, function) where raised], input, fix)
 KNOWN_BUGS = {
-    "data_seed of 2^64 or more": (
-        [("OverflowError", "poslab/tasks/source.py", "problem_hash")], ["--set", "data.data_seed=18446744073709551616"],
-        "TaskOptions.__post_init__: require 0 <= data_seed < 2**64"),
     "config file that is not UTF-8": (
         [("UnicodeDecodeError", "poslab/train/config.py", "load_config")], b"v\x14\xe4\x01{\xa8",
         "load_config: catch UnicodeDecodeError next to OSError and raise ConfigError('... is not UTF-8 text')"),

@@ -310,6 +310,7 @@ def test_tokenizer_round_trip_and_file(tmp_path):
     ("indexing", {"holdout": 0.5}, r"indexing.holdout must lie in \[0.0001, 0.45\]"),
     ("indexing", {"holdout": 1e-12}, r"indexing.holdout must lie in \[0.0001, 0.45\]"),
     ("indexing", {"holdout": float("nan")}, "indexing.holdout must be a finite number"),
+    ("indexing", {"data_seed": 2**64}, r"indexing.data_seed must lie in \[0, 2\^64\)"),
     ("indexing", {"test_size": 0}, "indexing.test_size must be >= 1"),
     ("indexing", {"train_size": 2.5}, "indexing.train_size must be int or null"),
     ("ordering", {"max_len": 30}, "ordering.max_len must be <= 28"),

@@ -131,7 +131,7 @@ class TaskOptions:
             require(value is None or value >= 1, f"{t}.{name} must be >= 1, got {value}")
         low, high = HOLDOUT_RANGE
         require(low <= self.holdout <= high, f"{t}.holdout must lie in [{low}, {high}], got {self.holdout}")
-        require(self.data_seed >= 0, f"{t}.data_seed must be >= 0, got {self.data_seed}")
+        require(0 <= self.data_seed < 2**64, f"{t}.data_seed must lie in [0, 2^64), got {self.data_seed}")
 
 
 def parse_options(cls: type[TaskOptions], options: dict[str, Any]) -> TaskOptions:
