@@ -164,9 +164,6 @@ def hostile_run(draw):
 # that starts failing once its fix lands, so that the entry is then removed.
 # name -> ([(exception, file, function) where raised], input, fix)
 KNOWN_BUGS = {
-    "config file that is not UTF-8": (
-        [("UnicodeDecodeError", "poslab/train/config.py", "load_config")], b"v\x14\xe4\x01{\xa8",
-        "load_config: catch UnicodeDecodeError next to OSError and raise ConfigError('... is not UTF-8 text')"),
 }
 
 

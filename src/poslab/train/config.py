@@ -159,9 +159,11 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     """Read a YAML run config, apply ``key.path=value`` overrides, validate."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as err:
         raise ConfigError(f"cannot read config {path}: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config {path} is not UTF-8 text (byte {err.start} is invalid)") from None
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as err:
