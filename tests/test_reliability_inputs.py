@@ -12,7 +12,6 @@ ones (2^40 and up), which the trainer must refuse before allocating anything.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import io
 import json
 import os
@@ -159,45 +158,36 @@ def hostile_run(draw):
     return text, sets, flags
 
 
-# Exceptions the fuzz found escaping code outside the training engine, reported to its owners with a fix. The
-# fuzz tolerates (and counts) only these, by where they are raised; each has a strict-xfail reproduction below
-# that starts failing once its fix lands, so that the entry is then removed.
-# name -> ([(exception, file, function) where raised], input, fix)
-KNOWN_BUGS = {
+# Inputs the fuzz found escaping poslab.cli.main as an exception (a traceback), each since fixed where it was
+# raised; kept as ordinary cases so that the record shows them. name -> [(--set overrides or the config file's
+# bytes, what the one error line says)]
+FORMER_ESCAPES: dict[str, list[tuple[list[str] | bytes, str]]] = {
+    "registry lookup of a non-string name": [
+        (["data.kind=[]"], "unknown data kind '[]'"), (["model.arch=[]"], "unknown model.arch '[]'"),
+        (["data.name=[]"], "unknown task '[]'"), (["model.positional.name=[1]"], "unknown positional scheme '[1]'")],
+    "unknown_key_message with a null name": [(["model.positional.name=null"], "unknown positional scheme 'None'")],
+    "model.positional not a mapping": [(["model.positional=[]"], "positional must be a mapping")],
+    "model.positional.options not a mapping": [(["model.positional.options=[1]"],
+                                                "positional options must be a mapping")],
+    "positional option of the wrong type": [(["model.positional.options.base=[1]"], "pope.base must be float")],
+    "null for a non-optional model number": [(["model.init_std=null"], "model.init_std must be a number")],
+    "non-finite number (nan, inf)": [
+        (["train.lr=.nan"], "train.lr must be a finite number"),
+        (["model.init_std=.inf"], "model.init_std must be a finite number"),
+        (["model.positional.options.base=-.inf"], "pope.base must be a finite number")],
+    "data_seed of 2^64 or more": [(["data.data_seed=18446744073709551616"], "data_seed must lie in [0, 2^64)")],
+    "config file that is not UTF-8": [(b"v\x14\xe4\x01{\xa8", "is not UTF-8 text")],
 }
 
 
-class KnownBug(Exception):
-    """An input hit one of KNOWN_BUGS."""
-
-
-def signature(exc: BaseException) -> tuple[str, str, str]:
-    """(exception type, file under src/, function) of the innermost poslab frame that raised it."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/poslab/" in f.filename]
-    frame = frames[-1] if frames else traceback.extract_tb(exc.__traceback__)[-1]
-    return type(exc).__name__, "poslab/" + frame.filename.rpartition("/poslab/")[2], frame.name
-
-
-def known_bug(exc: BaseException) -> str | None:
-    kind, file, function = signature(exc)
-    for name, (signatures, _, _) in KNOWN_BUGS.items():
-        if any(kind == k and fnmatch.fnmatch(file, f) and function == fn for k, f, fn in signatures):
-            return name
-    return None
-
-
 def invoke(argv: list[str]) -> tuple[int, str, str]:
-    """poslab.cli.main(argv) with stdout and stderr captured. An exception escaping it fails the test, unless it
-    is a known, reported bug: then KnownBug is raised for the caller to count."""
+    """poslab.cli.main(argv) with stdout and stderr captured; an exception escaping it fails the test."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             code = poslab.cli.main(argv)
-        except BaseException as exc:  # noqa: BLE001  the contract: nothing escapes, not even SystemExit
-            name = known_bug(exc)
-            if name is None:
-                pytest.fail(f"poslab {argv} raised instead of exiting:\n{traceback.format_exc()}\n{err.getvalue()}")
-            raise KnownBug(name) from None
+        except BaseException:  # noqa: BLE001  the contract: nothing escapes, not even SystemExit
+            pytest.fail(f"poslab {argv} raised instead of exiting:\n{traceback.format_exc()}\n{err.getvalue()}")
     return code, out.getvalue(), err.getvalue()
 
 
@@ -259,7 +249,6 @@ def workdir():
 def test_fuzzed_run_configs_exit_cleanly(workdir, reliability):
     outcomes: Counter[str] = Counter()
     errors: Counter[str] = Counter()
-    known: Counter[str] = Counter()
 
     @FUZZ
     @given(hostile_run())
@@ -271,12 +260,7 @@ def test_fuzzed_run_configs_exit_cleanly(workdir, reliability):
             argv = ["train", str(config), "--out", str(out), *flags]
             for item in sets:
                 argv += ["--set", item]
-            try:
-                code, _, err = invoke(argv)
-            except KnownBug as bug:
-                known[str(bug)] += 1
-                check_run_dir(out, complete=False)
-                return
+            code, _, err = invoke(argv)
             error = check_exit(code, err)
             state = check_run_dir(out, complete=code == 0)
             outcomes[f"exit {code}, {state} directory"] += 1
@@ -284,13 +268,12 @@ def test_fuzzed_run_configs_exit_cleanly(workdir, reliability):
                 errors[error.split(":")[2][:40]] += 1
 
     check()
-    cases = sum(outcomes.values()) + sum(known.values())
+    cases = sum(outcomes.values())
     assert outcomes["exit 0, complete directory"] > 0 and outcomes["exit 2, absent directory"] > 0
     reliability.record("fuzz", "hypothesis-fuzzed run configs through `poslab train` (random keys, types, "
                        "values, sizes, sections; YAML, --set overrides, garbage bytes; --resume/--overwrite)",
                        cases, "; ".join(f"{n} {k}" for k, n in sorted(outcomes.items())) + f" ({len(errors)} "
-                       "distinct error lines); no traceback, nothing half-written"
-                       + "".join(f"; {n} hit the known bug '{k}'" for k, n in sorted(known.items())))
+                       "distinct error lines); no traceback, nothing half-written")
 
 
 TOKENS = ["train", "data", "prepare", "tasks", "list", "show", "addition", "--out", "--resume", "--overwrite",
@@ -459,23 +442,21 @@ def test_task_options_at_their_limits(tmp_path, reliability):
                        + "; each a complete run or one error line")
 
 
-@pytest.mark.parametrize("name", list(KNOWN_BUGS))
-@pytest.mark.xfail(strict=True, raises=KnownBug, reason="reported with its fix; remove from KNOWN_BUGS once fixed")
-def test_known_bug_still_open(tmp_path, name, reliability):
-    _, given_input, fix = KNOWN_BUGS[name]
-    shown = given_input if isinstance(given_input, bytes) else " ".join(given_input)
-    reliability.record("open bugs", f"{name}: `poslab train` with {shown!s}", 1,
-                       f"escapes poslab.cli.main as an exception (a traceback); fix: {fix}")
-    config = tmp_path / "run.yaml"
-    if isinstance(given_input, bytes):
-        config.write_bytes(given_input)
-        extra = []
-    else:
-        config.write_text(yaml.safe_dump(BASE))
-        extra = given_input
-    code, _, err = invoke(["train", str(config), "--out", str(tmp_path / "run"), *extra])
-    check_exit(code, err)
-    assert code == 2
+@pytest.mark.parametrize("name", list(FORMER_ESCAPES))
+def test_inputs_that_once_escaped_exit_2_in_one_line(tmp_path, name, reliability):
+    cases = FORMER_ESCAPES[name]
+    errors = []
+    for i, (given, message) in enumerate(cases):
+        config, out = tmp_path / f"run{i}.yaml", tmp_path / f"run{i}"
+        config.write_bytes(given if isinstance(given, bytes) else yaml.safe_dump(BASE).encode())
+        sets = [] if isinstance(given, bytes) else [arg for item in given for arg in ("--set", item)]
+        code, _, err = invoke(["train", str(config), "--out", str(out), *sets])
+        errors.append(check_exit(code, err).removeprefix("poslab: error: "))
+        assert code == 2 and message in errors[-1], err
+        assert not out.exists()
+    shown = "; ".join(repr(given) if isinstance(given, bytes) else " ".join(given) for given, _ in cases)
+    reliability.record("fuzz", f"found by the fuzz escaping as a traceback, now fixed: {name} (`poslab train` with "
+                       f"{shown})", len(cases), f"exit 2 with one error line, no output directory: {errors[0]}")
 
 
 def test_error_line_with_a_line_break(tmp_path, reliability):
