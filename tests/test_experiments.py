@@ -139,7 +139,21 @@ def test_parallel_runs_equal_sequential_ones_and_skip_finished(tmp_path):
     learned = {seed: {k: v for k, v in m.items() if k not in timing} for seed, m in parallel.items()}
     assert learned == {seed: {k: v for k, v in m.items() if k not in timing} for seed, m in sequential.items()}
     assert learned[0] != learned[1]
-    assert sum("worker process" in line for line in lines) == 2
+    assert sum("for a worker process" in line for line in lines) == 2
     assert "step 3/3" in (tmp_path / "par" / "s0.log").read_text()
     lines.clear()
     assert ensure_runs(runs(tmp_path / "par"), lines.append, jobs=2) == parallel and lines == []
+
+
+def test_readme_section_is_rendered_from_results(tmp_path, fake_recipes):
+    import importlib.util
+
+    runner.reproduce(["all"], "smoke", tmp_path, log=lambda _: None, jobs=2)
+    spec = importlib.util.spec_from_file_location("readme_results", Path(__file__).parent.parent / "scripts" /
+                                                  "readme_results.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = module.section(json.loads((tmp_path / "results.json").read_text()), "runs/x")
+    assert text.startswith("## Results of a quick run\n") and "--scale smoke --out runs/x" in text
+    assert "2 training jobs" in text and "**2 of 4 claims held.**" in text
+    assert "| one | value is huge | 100 | 2 | **no** |" in text

@@ -71,7 +71,7 @@ def ensure_runs(runs: dict[str, tuple[dict[str, Any], Path]], log: Callable[[str
     try:
         futures = {}
         for name, (config, out) in pending.items():
-            log(f"  training {out.name} in a worker process (progress: {out}.log)")
+            log(f"  queued {out.name} for a worker process ({jobs} at a time; progress: {out}.log)")
             futures[name] = pool.submit(_ensure_run_in_worker, config, out, threads)
         done = {name: future.result() for name, future in futures.items()}
     finally:

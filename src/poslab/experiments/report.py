@@ -29,16 +29,29 @@ def summary_rows(data: dict[str, Any]) -> list[list[Any]]:
     return rows
 
 
-def render_report(data: dict[str, Any]) -> str:
+def run_line(data: dict[str, Any]) -> str:
+    """When, where and how long, and how many claims held: one sentence."""
     m = data["machine"]
     total = sum(len(r["claims"]) for r in data["recipes"].values())
     held = sum(c["held"] for r in data["recipes"].values() for c in r["claims"])
+    load = f", load average {m['load_average_15min']:.1f} over the last 15 min" if "load_average_15min" in m else ""
+    return (f"{data['date']} on {m['processor']}, {m['cpus']} CPUs ({m['torch_threads']} torch threads, "
+            f"{m.get('jobs', 1)} training jobs{load})"
+            + (f", GPUs: {', '.join(m['gpus'])}" if m.get("gpus") else "")
+            + f", torch {m['torch']}; {data['seconds']:.0f} s in all "
+            + "(" + ", ".join(f"{name} {rec['seconds']:.0f} s" for name, rec in data["recipes"].items())
+            + f"). **{held} of {total} claims held.**")
+
+
+def summary_table(data: dict[str, Any]) -> list[str]:
+    return _table(["recipe", "claim", "paper", "ours", "held"], summary_rows(data))
+
+
+def render_report(data: dict[str, Any]) -> str:
     lines = [
         f"# poslab reproduction ({data['scale']} scale)",
         "",
-        f"{data['date']} on {m['processor']}, {m['cpus']} CPUs ({m['torch_threads']} torch threads)"
-        + (f", GPUs: {', '.join(m['gpus'])}" if m.get("gpus") else "")
-        + f", torch {m['torch']}; {data['seconds']:.0f} s in all. **{held} of {total} claims held.**",
+        run_line(data),
         "",
         "Every number below was measured by `poslab reproduce` in this run; `held` is computed from the",
         "measured values by the rule shown. Quick scale trains tiny models for minutes on a CPU: a claim",
@@ -46,7 +59,7 @@ def render_report(data: dict[str, Any]) -> str:
         "",
         "## Summary",
         "",
-        *_table(["recipe", "claim", "paper", "ours", "held"], summary_rows(data)),
+        *summary_table(data),
     ]
     for name, rec in data["recipes"].items():
         lines += ["", f"## {name} ({rec['seconds']:.0f} s)", ""]

@@ -54,10 +54,14 @@ class RecipeResult:
                 "details": self.details}
 
 
-def machine() -> dict[str, Any]:
+def machine(jobs: int = 1) -> dict[str, Any]:
+    """What the timings depend on. The 15-minute load average, read as results are written, says how much
+    else was running (on a shared machine the seconds mean little without it)."""
     info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version()}
+            "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "jobs": jobs,
+            "torch": torch.__version__, "python": platform.python_version()}
+    if hasattr(os, "getloadavg"):
+        info["load_average_15min"] = round(os.getloadavg()[2], 2)
     if torch.cuda.is_available():
         info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return info
@@ -135,9 +139,9 @@ def reproduce(names: list[str], scale: str, out: str | Path, force: bool = False
             write_json(out / name / "result.json", record)
             held = sum(c.held for c in result.claims)
             log(f"[{name}] done in {result.seconds:.0f} s: {held}/{len(result.claims)} claims held")
-            _write_all(out, scale, recipes)
+            _write_all(out, scale, recipes, jobs)
     if _is_main():
-        _write_all(out, scale, recipes)
+        _write_all(out, scale, recipes, jobs)
     return {"recipes": recipes, "scale": scale}
 
 
@@ -145,11 +149,11 @@ def _is_main() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def _write_all(out: Path, scale: str, recipes: dict[str, Any]) -> None:
+def _write_all(out: Path, scale: str, recipes: dict[str, Any], jobs: int) -> None:
     from poslab.experiments.report import render_report
 
     order = [n for n in RECIPES if n in recipes]
-    data = {"recipes": {n: recipes[n] for n in order}, "scale": scale, "machine": machine(),
+    data = {"recipes": {n: recipes[n] for n in order}, "scale": scale, "machine": machine(jobs),
             "seconds": round(sum(recipes[n]["seconds"] for n in order), 1),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     write_json(out / "results.json", data)

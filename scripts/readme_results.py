@@ -1,0 +1,44 @@
+"""Rewrite README.md's "Results of a quick run" section from a reproduction's results.json.
+
+    python scripts/readme_results.py runs/quick
+
+The section is generated, never typed: its sentence and table come from poslab.experiments.report, the
+same code that writes the run's report.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from poslab.experiments.report import run_line, summary_table
+
+ROOT = Path(__file__).resolve().parent.parent
+HEADING = "## Results of a quick run"
+
+
+def section(data: dict, out: str) -> str:
+    return "\n".join([
+        HEADING, "",
+        f"`poslab reproduce all --scale {data['scale']} --out {out}`: {run_line(data)}",
+        "",
+        "Quick scale trains tiny models for minutes on a CPU; a claim that did not hold is reported as such "
+        f"(the per-recipe tables and figures are in `{out}/report.md`).",
+        "", *summary_table(data), ""])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("run", help="the reproduction's --out directory")
+    args = p.parse_args()
+    data = json.loads((Path(args.run) / "results.json").read_text())
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    start = text.index(HEADING)
+    end = text.find("\n## ", start + len(HEADING))
+    rest = "" if end < 0 else text[end:]
+    readme.write_text(text[:start] + section(data, args.run) + rest)
+
+
+if __name__ == "__main__":
+    main()
