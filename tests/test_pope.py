@@ -96,6 +96,20 @@ def test_delta_gets_gradients_and_stays_clamped():
     assert torch.allclose(layer.delta, torch.full_like(layer.delta, -2 * math.pi))
 
 
+def test_delta_past_a_bound_can_come_back():
+    """The clamp is straight-through: a component pushed above 0 still gets its gradient, so a step the other
+    way brings it back inside (a plain clamp would leave it frozen at 0)."""
+    layer = pope_model("sdpa", delta_init="zero").model.layer_positional[0]
+    with torch.no_grad():
+        layer.raw_delta.fill_(0.1)
+    assert (layer.delta == 0).all()
+    layer.delta.sum().backward()
+    assert (layer.raw_delta.grad == 1).all()
+    with torch.no_grad():
+        layer.raw_delta -= 0.3 * layer.raw_delta.grad
+    assert torch.allclose(layer.delta, torch.full_like(layer.delta, -0.2))
+
+
 def test_uniform_delta_init_lies_in_range():
     delta = pope_model("sdpa", "uniform").model.layer_positional[1].delta
     assert (delta <= 0).all() and (delta >= -2 * math.pi).all() and delta.std() > 0.5

@@ -8,7 +8,9 @@ q~ = [mu cos phi, mu sin phi] of width 2d, so any dot-product kernel applies; on
 kernel computes the polar transform inside attention instead.
 
 The clamp is applied where delta is used (a clamped view of an unconstrained parameter), so no
-training loop has to remember to project it.
+training loop has to remember to project it. It is a straight-through clamp: a plain clamp has zero
+gradient outside the range, and from the zero init every component whose first update points upward
+would stay frozen at 0 for good (81-98% of the components of quick-scale indirect-indexing models did).
 """
 from __future__ import annotations
 
@@ -59,8 +61,10 @@ class PolarLayer(LayerPositional):
 
     @property
     def delta(self) -> torch.Tensor:
-        """The key-phase bias in use, (heads, d), always inside [-2pi, 0]."""
-        return self.raw_delta.clamp(-2 * math.pi, 0.0)
+        """The key-phase bias in use, (heads, d), always inside [-2pi, 0]; its gradient reaches raw_delta even
+        where the clamp is active, so a component pushed past a bound can come back."""
+        raw = self.raw_delta
+        return raw + (raw.clamp(-2 * math.pi, 0.0) - raw).detach()
 
     def transform_qk(self, q, k, q_pos, k_pos):
         return pope_polar(q, q_pos, self.theta), pope_polar(k, k_pos, self.theta, self.delta)
