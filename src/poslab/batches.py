@@ -19,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from poslab.errors import ConfigError, unknown_key_message
+from poslab.errors import lookup
 
 
 @runtime_checkable
@@ -45,7 +45,5 @@ SOURCES: dict[str, str] = {
 
 
 def build_batch_source(kind: str, seed: int, **options: Any) -> BatchSource:
-    if kind not in SOURCES:
-        raise ConfigError(unknown_key_message("data kind", kind, SOURCES))
-    module, fn = SOURCES[kind].split(":")
+    module, fn = lookup("data kind", kind, SOURCES).split(":")
     return getattr(importlib.import_module(module), fn)(seed=seed, **options)
