@@ -64,13 +64,17 @@ class EncodedDocuments:
     doc_of_sentence: np.ndarray
 
 
-def _first_token(enc: Encoding, begin: int, end: int, missing: int) -> int:
-    """Index of the token holding the first character in [begin, end) that any token holds, else ``missing``."""
-    for char in range(begin, end):
-        token = enc.char_to_token(char)
-        if token is not None:
-            return token
-    return missing
+def _sentence_starts(enc: Encoding, ends: list[int], base: int) -> list[int]:
+    """``base`` plus the index of each sentence's first token: the token holding the first character of
+    the sentence's span [ends[k - 1], ends[k]) that any token holds (the first sentence: 0; none: len(enc))."""
+    char_to_token, length = enc.char_to_token, len(enc)
+    starts = [base]
+    for begin, end in zip(ends, ends[1:]):
+        token, char = None, begin
+        while token is None and char < end:  # usually two tries: one separator character holds no token
+            token, char = char_to_token(char), char + 1
+        starts.append(base + (length if token is None else token))
+    return starts
 
 
 def label_documents(laid: list[tuple[str, list[int], list[int]]], encodings: list[Encoding],
@@ -85,19 +89,17 @@ def label_documents(laid: list[tuple[str, list[int], list[int]]], encodings: lis
     token keeps labelling a small fraction of tokenisation time. Documents without tokens are dropped
     (their ids stay unused); a sentence without tokens gets none.
     """
-    keep = [i for i, e in enumerate(encodings) if e.ids]
+    keep = [i for i, e in enumerate(encodings) if len(e)]
     encodings, laid = [encodings[i] for i in keep], [laid[i] for i in keep]
-    lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(keep))
+    lengths = np.fromiter(map(len, encodings), dtype=np.int64, count=len(keep))
     ids = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), dtype=np.int64, count=int(lengths.sum()))
-    starts, base = [], 0
-    for (_, ends, _), enc, length in zip(laid, encodings, lengths.tolist()):
-        starts.append(base)
-        starts += [base + _first_token(enc, ends[k - 1], ends[k], length) for k in range(1, len(ends))]
-        base += length
-    # A sentence without tokens starts where the next one does (reverse running minimum), so that
-    # searchsorted(side="right") gives every token the last sentence starting at or before it.
+    bases = itertools.accumulate(lengths.tolist(), initial=0)
+    sentence_ends = (ends for _, ends, _ in laid)
+    starts = list(itertools.chain.from_iterable(map(_sentence_starts, encodings, sentence_ends, bases)))
+    # A sentence without tokens starts where the next one does (reverse running minimum), so that each
+    # token belongs to the last sentence starting at or before it: sentence k has starts[k + 1] - starts[k] tokens.
     starts = np.minimum.accumulate(np.asarray(starts, dtype=np.int64)[::-1])[::-1]
-    sentence_of_token = np.searchsorted(starts, np.arange(len(ids)), side="right") - 1
+    sentence_of_token = np.repeat(np.arange(len(starts)), np.diff(starts, append=len(ids)))
     sentences = np.fromiter((len(ends) for _, ends, _ in laid), dtype=np.int64, count=len(keep))
     doc_of_sentence = np.repeat(np.arange(len(keep)), sentences)
     paragraph_base = np.cumsum([0] + [p[-1] + 1 for _, _, p in laid])[:-1]

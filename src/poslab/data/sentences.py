@@ -39,7 +39,6 @@ _CLOSERS = "\"'”’»)]}"
 _CANDIDATE = re.compile(r"[.!?…][.!?…\"'”’»)\]}]* (?=\S)")
 _CJK = re.compile(r"[。！？]+[」』”’）)]*")
 _PARAGRAPH = re.compile(r"\n[ \t\r\f\v]*\n\s*")
-_IRREGULAR_SPACE = re.compile(r"[^\S ]|  ")  # whitespace other than single spaces (cheaper to find than to fix)
 _ACRONYM = re.compile(r"^(?:[A-Za-z]\.)+[A-Za-z]$")
 
 
@@ -50,12 +49,15 @@ def split_paragraphs(text: str) -> list[str]:
 
 def _keeps_going(text: str, start: int, end: int) -> bool:
     """True when the candidate ``text[start:end]`` (marks, closers, a space) is not a sentence end."""
-    nxt = text[end:end + 16].lstrip(_OPENERS)
-    if not nxt:
-        return False
-    if nxt[0].islower():
+    nxt = text[end]  # the candidate pattern ends before a non-space character
+    if nxt in _OPENERS:
+        nxt = text[end:end + 16].lstrip(_OPENERS)[:1]
+        if not nxt:
+            return False
+    if nxt.islower():
         return True
-    if text[start:end - 1].rstrip(_CLOSERS) != ".":
+    # A lone mark (most candidates) is checked without slicing.
+    if text[start] != "." or end - start > 2 and text[start:end - 1].rstrip(_CLOSERS) != ".":
         return False
     word = text[text.rfind(" ", 0, start) + 1:start].lstrip(_OPENERS)
     return (len(word) == 1 and word.isalpha() or word.lower() in ABBREVIATIONS
@@ -64,7 +66,10 @@ def _keeps_going(text: str, start: int, end: int) -> bool:
 
 def split_sentences(paragraph: str) -> list[str]:
     """Sentences of one paragraph, whitespace-normalised (runs of whitespace become one space)."""
-    text = " ".join(paragraph.split()) if _IRREGULAR_SPACE.search(paragraph) else paragraph
+    # Every whitespace character but " " is non-printable, so this finds all irregular whitespace (and
+    # normalises a few texts needlessly, which changes no sentence) three times faster than a regex.
+    regular = "  " not in paragraph and paragraph.isprintable()
+    text = paragraph if regular else " ".join(paragraph.split())
     ends = [m.end() - 1 for m in _CANDIDATE.finditer(text) if not _keeps_going(text, m.start(), m.end())]
     if "。" in text or "！" in text or "？" in text:
         ends = sorted(ends + [m.end() for m in _CJK.finditer(text)])

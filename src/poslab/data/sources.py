@@ -35,10 +35,10 @@ def _limit(value: Any) -> int | None:
 
 def _decode(raw: bytes) -> tuple[str, int]:
     """UTF-8 text with invalid bytes replaced by U+FFFD, and how many were replaced."""
-    text = raw.decode("utf-8", "surrogateescape")
-    if _ESCAPED.search(text) is None:
-        return text, 0
-    return _ESCAPED.subn("\ufffd", text)
+    try:
+        return raw.decode("utf-8"), 0  # valid text (nearly always): no scan for escaped bytes
+    except UnicodeDecodeError:
+        return _ESCAPED.subn("\ufffd", raw.decode("utf-8", "surrogateescape"))
 
 
 def _list_files(paths: Any, pattern: str) -> list[Path]:
