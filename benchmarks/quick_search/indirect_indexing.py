@@ -32,7 +32,7 @@ def by_shift(net, source, examples: int = 2000, batch_size: int = 500) -> dict:
             hits.setdefault(shift, []).append(hit)
     net.train()
     flat = [h for hs in hits.values() for h in hs]
-    nonzero = [h for s, hs in hits.items() if s != 0 for h in hs]
+    nonzero = [h for s, hs in hits.items() if s != 0 for h in hs] or [False]
     return {"acc": sum(flat) / len(flat), "acc_nonzero_shift": sum(nonzero) / len(nonzero),
             "per_shift": {s: round(sum(hs) / len(hs), 3) for s, hs in sorted(hits.items())}}
 
@@ -44,7 +44,8 @@ def main() -> None:
     p.add_argument("--alphabet", type=int, default=24)
     p.add_argument("--min-len", type=int, default=10)
     p.add_argument("--max-len", type=int, default=20)
-    p.add_argument("--shift", type=int, default=4)
+    p.add_argument("--shift", type=int, default=4, help="shifts in [-shift, shift] (or [min-shift, shift])")
+    p.add_argument("--min-shift", type=int, default=None)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
@@ -62,7 +63,7 @@ def main() -> None:
     p.add_argument("--out", default="indirect_indexing")
     a = p.parse_args()
     task_options = {"alphabet_size": a.alphabet, "min_len": a.min_len, "max_len": a.max_len,
-                    "min_shift": -a.shift, "max_shift": a.shift, "train_size": None,
+                    "min_shift": -a.shift if a.min_shift is None else a.min_shift, "max_shift": a.shift, "train_size": None,
                     "validation_size": 2000, "test_size": 2000}
     model = {"d_model": a.width, "n_layers": a.layers, "n_heads": a.heads, "positional": a.pos,
              "pos_options": json.loads(a.pos_options)}
