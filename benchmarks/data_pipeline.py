@@ -6,19 +6,22 @@
    (no [CLS]/[SEP]), which both pipelines produce identically. Target ratio >= 1.0. Reported on wall
    time and on process CPU time (all threads): on a machine shared with other jobs the wall ratio drifts
    with the load, CPU time measures the work each pipeline does.
-2. Step wait: time to build one MLM batch vs one optimizer step of a small encoder, and the time the loop
-   actually blocks in ``train_batch`` when the next step's batch is prefetched (the default).
+   Tokens/s are medians over the repeats; ratios are medians of interleaved (baseline, ours) pairs.
+2. Training wait: the fraction of step time a training loop (small encoder, AdamW) blocks in
+   ``train_batch`` waiting for its batch when the next step's batch is prefetched (the default), and for
+   comparison the time building a batch inline would take.
 3. ``--learn-steps N`` (optional): is the synthetic corpus's structure learnable by a small MLM on a CPU?
    Trains a 2-layer encoder for N steps on ``configs/data/mlm_quick.yaml`` data, then classifies masked
    structural cue words by position (first / middle / last paragraph opener, 2nd / 3rd / 4th+ sentence
    opener): the model can only beat the majority class by inferring where the sentence sits.
 
-    python benchmarks/data_pipeline.py [--documents 6000] [--repeats 5] [--batch 32] [--seq-len 128]
-                                       [--learn-steps 0]
+    OMP_NUM_THREADS=1 python benchmarks/data_pipeline.py [--documents 6000] [--repeats 7] [--batch 32]
+                                                         [--seq-len 128] [--steps 20] [--learn-steps 0]
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -27,6 +30,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 
 import torch
 
@@ -50,7 +54,12 @@ def cpu_seconds() -> float:
 
 
 def timed(fn, *args) -> tuple[float, float, int]:
-    """(wall seconds, CPU seconds, tokens) of fn(*args) -> tokens."""
+    """(wall seconds, CPU seconds, tokens) of fn(*args) -> tokens.
+
+    Collects garbage first: objects left over from earlier runs otherwise trigger a full collection of
+    this process's heap (torch, transformers and datasets: ~0.2 s) inside every other run, charged to
+    whichever pipeline happens to run then."""
+    gc.collect()
     wall, cpu = time.perf_counter(), cpu_seconds()
     tokens = fn(*args)
     return time.perf_counter() - wall, cpu_seconds() - cpu, tokens
@@ -66,6 +75,7 @@ def run_ours(corpus: Path, tokenizer: Path, out: Path) -> int:
 
 def run_datasets(corpus: Path, tokenizer: Path, cache: Path) -> int:
     import datasets
+    import pyarrow.compute as pc
     from transformers import PreTrainedTokenizerFast
 
     hf = PreTrainedTokenizerFast.from_pretrained(str(tokenizer))
@@ -74,44 +84,53 @@ def run_datasets(corpus: Path, tokenizer: Path, cache: Path) -> int:
     ds = datasets.load_dataset("json", data_files=str(corpus), split="train", cache_dir=str(cache))
     ds = ds.map(lambda b: hf(b["text"], add_special_tokens=False), batched=True, batch_size=1000,
                 remove_columns=["text"])
-    return sum(len(ids) for ids in ds["input_ids"])
+    # Counted in Arrow: converting the column to Python lists would charge the baseline for work that
+    # is no part of its pipeline.
+    return pc.sum(pc.list_value_length(ds.data.column("input_ids"))).as_py()
+
+
+def _encoder(vocab_size: int, seq_len: int) -> torch.nn.Module:
+    from poslab.models import build_model
+
+    return build_model({"arch": "encoder", "vocab_size": vocab_size, "d_model": 128, "n_layers": 2, "n_heads": 4,
+                        "max_seq_len": seq_len, "positional": {"name": "rope"}})
 
 
 def step_wait(prepared: Path, batch: int, seq_len: int, steps: int) -> dict[str, float]:
-    """Mean time to build a batch (prefetch off), mean time the loop blocks on ``train_batch`` with the
-    default prefetch, and mean model step time, over ``steps`` steps after two warm-up steps."""
-    from poslab.models import build_model
-
-    sources = {p: build_mlm_source(0, prepared=str(prepared), seq_len=seq_len, prefetch=p) for p in (False, True)}
-    model = build_model({"arch": "encoder", "vocab_size": sources[True].vocab_size, "d_model": 128, "n_layers": 2,
-                         "n_heads": 4, "max_seq_len": seq_len, "positional": {"name": "rope"}})
+    """Training loop with the default prefetch: per step, the time ``train_batch`` blocks (wait) and the
+    model step (forward, backward, AdamW), over ``steps`` steps after two warm-up steps (step 0's batch
+    is always built inline). Then, without a model, the time to build the same batches inline."""
+    source = build_mlm_source(0, prepared=str(prepared), seq_len=seq_len, prefetch=True)
+    model = _encoder(source.vocab_size, seq_len)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    times: dict[str, list[float]] = {"build": [], "wait": [], "step": []}
+    wait, work = [], []
     for step in range(steps + 2):
         t0 = time.perf_counter()
-        sources[False].train_batch(step, batch)
+        b = source.train_batch(step, batch)
         t1 = time.perf_counter()
-        b = sources[True].train_batch(step, batch)
-        t2 = time.perf_counter()
         loss = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"]).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        t3 = time.perf_counter()
         if step >= 2:
-            for name, seconds in (("build", t1 - t0), ("wait", t2 - t1), ("step", t3 - t2)):
-                times[name].append(seconds)
-    mean = {name: sum(v) / len(v) for name, v in times.items()}
-    return {"build_ms": 1e3 * mean["build"], "wait_ms": 1e3 * mean["wait"], "step_ms": 1e3 * mean["step"],
-            "build_share": mean["build"] / (mean["build"] + mean["step"]),
-            "wait_share": mean["wait"] / (mean["wait"] + mean["step"])}
+            wait.append(t1 - t0)
+            work.append(time.perf_counter() - t1)
+    inline = build_mlm_source(0, prepared=str(prepared), seq_len=seq_len, prefetch=False)
+    build = []
+    for step in range(2, steps + 2):
+        t0 = time.perf_counter()
+        inline.train_batch(step, batch)
+        build.append(time.perf_counter() - t0)
+    step_s, wait_s, build_s = sum(work) / steps, sum(wait) / steps, sum(build) / steps
+    return {"steps": steps, "step_ms": 1e3 * step_s, "wait_ms": 1e3 * wait_s, "wait_max_ms": 1e3 * max(wait),
+            "wait_fraction": sum(wait) / (sum(wait) + sum(work)),
+            "build_ms": 1e3 * build_s, "build_fraction": build_s / (build_s + step_s)}
 
 
 def learnability(steps: int, root: Path) -> dict[str, float]:
     """Cue-class accuracy of a small MLM after ``steps`` steps vs the majority class (validation split)."""
     from poslab.data.cli import load_data_config
     from poslab.data.synthetic import PARAGRAPH_CUES, SENTENCE_CUES
-    from poslab.models import build_model
 
     config = Path(__file__).resolve().parents[1] / "src" / "poslab" / "configs" / "data" / "mlm_quick.yaml"
     options = {**load_data_config(str(config), []).__dict__, "cache_dir": str(root / "cache")}
@@ -124,8 +143,7 @@ def learnability(steps: int, root: Path) -> dict[str, float]:
     assert len(cue_ids) == sum(map(len, classes.values())) and tok.unk_token_id not in cue_ids  # whole tokens
     candidates = torch.tensor(sorted(cue_ids))
     class_of = torch.tensor([cue_ids[i] for i in sorted(cue_ids)])
-    model = build_model({"arch": "encoder", "vocab_size": source.vocab_size, "d_model": 128, "n_layers": 2,
-                         "n_heads": 4, "max_seq_len": source.seq_len, "positional": {"name": "rope"}})
+    model = _encoder(source.vocab_size, source.seq_len)
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
     start = time.perf_counter()
     for step in range(steps):
@@ -162,13 +180,14 @@ def learnability(steps: int, root: Path) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--documents", type=int, default=6000)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--learn-steps", type=int, default=0, help="also run the learnability check (0: skip)")
     args = parser.parse_args()
 
+    load = os.getloadavg()[0]
     root = Path(tempfile.mkdtemp(prefix="poslab-bench-"))
     try:
         corpus = root / "corpus.jsonl"
@@ -186,20 +205,22 @@ def main() -> None:
         tokens = {n for _, _, n in ours + base}
         assert len(tokens) == 1, (ours, base)  # both pipelines produce the same tokens
         n = tokens.pop()
-        wall = sorted(b[0] / o[0] for o, b in zip(ours, base))
-        cpu = sorted(b[1] / o[1] for o, b in zip(ours, base))
         wait = step_wait(root / "ours", args.batch, args.seq_len, args.steps)
-        print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average "
-              f"{os.getloadavg()[0]:.1f}; corpus {size / 1e6:.1f} MB, {n} tokens, {args.repeats} interleaved pairs")
-        print(f"prepare (tokenize + label + pack + write): {n / min(o[0] for o in ours):,.0f} tokens/s wall (best), "
-              f"{n / min(o[1] for o in ours):,.0f} tokens/CPU-s")
-        print(f"datasets.map baseline (load json + map):   {n / min(b[0] for b in base):,.0f} tokens/s wall (best), "
-              f"{n / min(b[1] for b in base):,.0f} tokens/CPU-s")
-        print(f"ratio ours / baseline (median of pairs): wall {wall[len(wall) // 2]:.2f}x "
-              f"(range {wall[0]:.2f}-{wall[-1]:.2f}), CPU time {cpu[len(cpu) // 2]:.2f}x (range {cpu[0]:.2f}-{cpu[-1]:.2f})")
-        print(f"step wait (batch {args.batch} x {args.seq_len}, 2-layer d128 encoder, step {wait['step_ms']:.1f} ms): "
-              f"building a batch {wait['build_ms']:.2f} ms ({100 * wait['build_share']:.1f}% of step time if inline); "
-              f"blocked with prefetch {wait['wait_ms']:.3f} ms ({100 * wait['wait_share']:.2f}%)")
+        print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average (1 min) "
+              f"{load:.1f} at start, {os.getloadavg()[0]:.1f} at end; corpus {size / 1e6:.1f} MB, {n} tokens, "
+              f"{args.repeats} interleaved pairs")
+        for name, runs in (("prepare (tokenize + label + pack + write)", ours),
+                           ("datasets.map baseline (load json + map)", base)):
+            print(f"{name:42s} {n / median(r[0] for r in runs):>10,.0f} tokens/s wall, "
+                  f"{n / median(r[1] for r in runs):>10,.0f} tokens/CPU-s (median)")
+        for name, column in (("wall", 0), ("CPU time", 1)):
+            ratios = sorted(b[column] / o[column] for o, b in zip(ours, base))
+            print(f"ratio ours / baseline, {name:8s}: {median(ratios):.2f}x median of pairs "
+                  f"(range {ratios[0]:.2f}-{ratios[-1]:.2f}; target >= 1.0)")
+        print(f"training wait: {100 * wait['wait_fraction']:.2f}% of step time blocked on the next batch with prefetch "
+              f"(mean {wait['wait_ms']:.2f} ms, max {wait['wait_max_ms']:.2f} ms per {wait['step_ms']:.0f} ms step, "
+              f"{wait['steps']} steps, batch {args.batch} x {args.seq_len}, 2-layer d128 encoder); building inline "
+              f"would take {wait['build_ms']:.2f} ms per batch ({100 * wait['build_fraction']:.2f}%)")
         if args.learn_steps:
             r = learnability(args.learn_steps, root)
             print(f"learnability: {r['steps']} steps ({r['seconds']:.0f} s), final MLM loss {r['loss']:.2f}; "
