@@ -304,6 +304,10 @@ def test_existing_output_needs_force(prepared, tmp_path):
     ({"masking": {"rate": 1.5}}, r"masking.rate must lie in \(0, 1\)"),
     ({"seqlen": 5}, "did you mean 'seq_len'"),
     ({"tokenizer": {"type": "sentencepiece"}}, "unknown tokenizer type"),
+    # Unhashable names from YAML are refused as unknown, not as a TypeError from `name in registry`.
+    ({"tokenizer": {"type": []}}, "unknown tokenizer type"),
+    ({"masking": {"style": {}}}, "unknown masking style"),
+    ({"source": {"type": ["jsonl"]}}, "unknown source type"),
 ])
 def test_config_errors(options, message):
     with pytest.raises(ConfigError, match=message):

@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from poslab.errors import ConfigError, require, unknown_key_message
+from poslab.errors import ConfigError, lookup, require, unknown_key_message
 
 
 def from_dict(cls: type, data: Any, what: str):
@@ -66,8 +66,7 @@ class TokenizerConfig:
         from poslab.data.tokenizer import TRAINABLE  # the registry lives with the trainers
 
         require(self.path is None or isinstance(self.path, str), f"tokenizer.path must be a string, got {self.path!r}")
-        if self.type not in TRAINABLE:
-            raise ConfigError(unknown_key_message("tokenizer type", str(self.type), TRAINABLE))
+        lookup("tokenizer type", self.type, TRAINABLE)
         require(isinstance(self.vocab_size, int) and self.vocab_size >= 16,
                 f"tokenizer.vocab_size must be an integer >= 16, got {self.vocab_size!r}")
         require(isinstance(self.min_frequency, int) and self.min_frequency >= 1,
@@ -104,10 +103,9 @@ class MaskingConfig:
     rate: float | None = None  # None: the style's rate
 
     def __post_init__(self) -> None:
-        if self.style not in MASKING_STYLES:
-            raise ConfigError(unknown_key_message("masking style", str(self.style), MASKING_STYLES))
+        style = lookup("masking style", self.style, MASKING_STYLES)
         if self.rate is None:
-            self.rate = MASKING_STYLES[self.style].rate
+            self.rate = style.rate
         require(isinstance(self.rate, (int, float)) and 0.0 < self.rate < 1.0,
                 f"masking.rate must lie in (0, 1), got {self.rate!r}")
 

@@ -21,7 +21,7 @@ from typing import Any
 from poslab.data.config import from_dict
 from poslab.data.sentences import segment
 from poslab.data.synthetic import SyntheticCorpus, SyntheticOptions
-from poslab.errors import ConfigError, DataError, require, unknown_key_message
+from poslab.errors import ConfigError, DataError, lookup, require
 
 Document = list[list[str]]
 _ESCAPED = re.compile("[\udc80-\udcff]")  # invalid bytes, as the 'surrogateescape' decoder leaves them
@@ -213,9 +213,7 @@ def parse_source(config: Any) -> tuple[type, dict[str, Any]]:
     if not isinstance(config, dict) or "type" not in config:
         raise ConfigError(f"data.source must be a mapping with a 'type' ({', '.join(SOURCES)}), got {config!r}")
     options = {k: v for k, v in config.items() if k != "type"}
-    if config["type"] not in SOURCES:
-        raise ConfigError(unknown_key_message("source type", str(config["type"]), SOURCES))
-    cls = SOURCES[config["type"]]
+    cls = lookup("source type", config["type"], SOURCES)
     from_dict(cls.Options, options, f"{config['type']} source")
     return cls, options
 
