@@ -337,3 +337,17 @@ def test_params_command_prints_counts_and_the_matching_width(capsys):
     expected = count_parameters(ready_config("dstg", "quick"))
     assert f"{expected:,d}" in out and "rp_neobert" in out
     assert f"matching rope_neobert: {ready_config('dstg', 'quick')['ffn_hidden']}" in out
+
+
+@pytest.mark.parametrize("scale", ["quick", "smoke"])
+def test_recipe_model_sections_apply_widths_and_stay_parameter_matched(scale):
+    from poslab.experiments import dstg as recipe
+
+    spec = recipe.SCALES[scale]
+    models = recipe.model_sections(spec)
+    counts = {name: count_parameters(values) for name, values in models.items()}
+    for name, count in counts.items():
+        assert abs(count / counts["rope_neobert"] - 1) < 0.02, (name, counts)
+    for name, values in models.items():
+        own = spec.get("dstg_overrides" if name == "dstg" else "baseline_overrides", {})
+        assert {**spec["model_overrides"], **own}.items() <= values.items()
