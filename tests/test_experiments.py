@@ -157,3 +157,17 @@ def test_readme_section_is_rendered_from_results(tmp_path, fake_recipes):
     assert text.startswith("## Results of a quick run\n") and "--scale smoke --out runs/x" in text
     assert "2 training jobs" in text and "**2 of 4 claims held.**" in text
     assert "| one | value is huge | 100 | 2 | **no** |" in text
+
+
+def test_reproduce_under_torchrun(tmp_path):
+    """Two gloo processes: both train every run (DDP), agree on what to train, and only rank 0 measures and
+    writes. A rank that decided on its own whether a run existed used to deadlock the second training."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "poslab",
+               "reproduce", "indirect-indexing", "extrapolation", "frequencies", "--scale", "smoke", "--out",
+               str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.count("claims held; report:") == 1
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert list(data["recipes"]) == ["indirect-indexing", "extrapolation", "frequencies"]
+    assert (tmp_path / "extrapolation" / "runs" / "rope" / "final.json").exists()

@@ -66,15 +66,20 @@ def first_layer_scores(model: torch.nn.Module, batches: list[dict]) -> dict[str,
     return {name: float(sequence_adjacency(caps[name], mask).nanmean()) for name in caps}
 
 
+def runs(scale_name: str, out: Path) -> dict:
+    """The trainings: (scheme, task, seed) -> (run config, run directory); NoPE, and RoPE for comparison."""
+    scale = SCALES[scale_name]
+    return {(scheme, task, seed): (run_config(scale, task, scheme, seed), out / "runs" / f"{scheme}-{task}-s{seed}")
+            for task in TASKS for seed in scale["seeds"] for scheme in ("nope", "rope")}
+
+
 def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1) -> RecipeResult:
     scale = SCALES[scale_name]
     table, trained_scores, init_scores, embed_scores = [], {}, {}, {}
     accuracy: dict[str, dict[str, float]] = {"nope": {}, "rope": {}}
     probe_result = None
     figures = []
-    finals = ensure_runs({(scheme, task, seed): (run_config(scale, task, scheme, seed),
-                                                 out / "runs" / f"{scheme}-{task}-s{seed}")
-                          for task in TASKS for seed in scale["seeds"] for scheme in ("nope", "rope")}, log, jobs)
+    finals = ensure_runs(runs(scale_name, out), log, jobs)
     for task in TASKS:
         for scheme in ("nope", "rope"):
             accuracy[scheme][task] = statistics.fmean(finals[scheme, task, seed]["eval_exact_match"]

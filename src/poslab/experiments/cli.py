@@ -44,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
     if jobs < 1:
         raise PoslabError(f"--jobs must be >= 1, got {jobs}")
     data = reproduce(args.names, args.scale, args.out, force=args.force, jobs=jobs)
-    held = sum(c["held"] for r in data["recipes"].values() for c in r["claims"])
-    total = sum(len(r["claims"]) for r in data["recipes"].values())
-    print(f"{held}/{total} claims held; report: {args.out}/report.md")
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun the other ranks trained but did not measure
+        held = sum(c["held"] for r in data["recipes"].values() for c in r["claims"])
+        total = sum(len(r["claims"]) for r in data["recipes"].values())
+        print(f"{held}/{total} claims held; report: {args.out}/report.md")
     return 0

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from poslab.train import RunConfig, train
 from poslab.train.checkpoint import load_trainer_state, resolve
@@ -37,20 +38,35 @@ def ensure_run(config: dict[str, Any], out: Path, log: Callable[[str], None]) ->
     """Train ``config`` into ``out`` and return its final metrics. A finished run is not trained again
     (its metrics come from out/final.json); an interrupted one resumes from its last checkpoint."""
     cfg = RunConfig.from_dict(config)
-    metrics = finished(cfg, out)
+    metrics, resume, exists = _rank_zero_view(lambda: _state(cfg, out))
     if metrics is not None:
         return metrics
-    resume = False
-    with contextlib.suppress(CheckpointError):  # no checkpoint yet: a fresh run
-        resume = load_trainer_state(resolve(out / "checkpoints" / "last"))["step"] > 0
     log(f"  training {out.name}: {cfg.model.to_dict().get('positional', {}).get('name', cfg.model.to_dict()['arch'])}"
         f", {cfg.train.steps} steps")
-    metrics = train(cfg, out, resume=resume, overwrite=not resume and out.exists())
+    metrics = train(cfg, out, resume=resume, overwrite=not resume and exists)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one writer
         tmp = out / f".{FINAL}.tmp"
         tmp.write_text(json.dumps(metrics, default=float))
         tmp.replace(out / FINAL)
     return metrics
+
+
+def _state(cfg: RunConfig, out: Path) -> tuple[dict[str, Any] | None, bool, bool]:
+    """(final metrics if finished, whether a checkpoint to resume exists, whether ``out`` exists)."""
+    resume = False
+    with contextlib.suppress(CheckpointError):  # no checkpoint yet: a fresh run
+        resume = load_trainer_state(resolve(out / "checkpoints" / "last"))["step"] > 0
+    return finished(cfg, out), resume, out.exists()
+
+
+def _rank_zero_view(look: Callable[[], Any]) -> Any:
+    """``look()`` as rank 0 sees it, on every rank. Under torchrun the ranks must agree on whether to train
+    and how (a rank looking after rank 0 created the directory would see another state and deadlock)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return look()
+    box = [look() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def ensure_runs(runs: dict[str, tuple[dict[str, Any], Path]], log: Callable[[str], None],

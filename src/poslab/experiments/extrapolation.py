@@ -56,9 +56,14 @@ def run_config(scale: dict, scheme: str, out: Path) -> dict:
     }
 
 
+def runs(scale_name: str, out: Path) -> dict:
+    """The trainings: scheme -> (run config, run directory)."""
+    return {scheme: (run_config(SCALES[scale_name], scheme, out), out / "runs" / scheme) for scheme in SCHEMES}
+
+
 def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1) -> RecipeResult:
     scale = SCALES[scale_name]
-    ensure_runs({scheme: (run_config(scale, scheme, out), out / "runs" / scheme) for scheme in SCHEMES}, log, jobs)
+    ensure_runs(runs(scale_name, out), log, jobs)
     pope = Run.load(out / "runs" / "pope")
     data = extrapolation_analysis(pope, Options(sequences=scale["sequences"], batch_size=8,
                                                 factors=tuple(scale["factors"]), compare=(str(out / "runs" / "rope"),),

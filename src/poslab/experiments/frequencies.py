@@ -33,12 +33,16 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
+def runs(scale_name: str, out: Path) -> dict:
+    """The extrapolation recipe's trainings (the models are shared: trained once, by whichever runs first)."""
+    return extrapolation.runs(scale_name, out.parent / "extrapolation")
+
+
 def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1) -> RecipeResult:
     scale = extrapolation.SCALES[scale_name]
-    source = out.parent / "extrapolation"  # share the extrapolation recipe's trained models
+    source = out.parent / "extrapolation"
     results, figures = {}, []
-    ensure_runs({scheme: (extrapolation.run_config(scale, scheme, source), source / "runs" / scheme)
-                 for scheme in extrapolation.SCHEMES}, log, jobs)
+    ensure_runs(runs(scale_name, out), log, jobs)
     for scheme in extrapolation.SCHEMES:
         run_dir = source / "runs" / scheme
         data = frequencies_analysis(Run.load(run_dir), Options(sequences=scale["sequences"], batch_size=8))

@@ -53,12 +53,22 @@ def run_config(scale: dict, scheme: str, seed: int) -> dict:
     }
 
 
+def _seeds(scale: dict) -> dict[str, list[int]]:
+    return {scheme: scale["seeds"] if scheme in MAIN else scale["other_seeds"] for scheme in (*MAIN, *scale["others"])}
+
+
+def runs(scale_name: str, out: Path) -> dict:
+    """The trainings: (scheme, seed) -> (run config, run directory)."""
+    scale = SCALES[scale_name]
+    return {(scheme, seed): (run_config(scale, scheme, seed), out / "runs" / f"{scheme}-s{seed}")
+            for scheme, seeds in _seeds(scale).items() for seed in seeds}
+
+
 def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1) -> RecipeResult:
     scale = SCALES[scale_name]
-    seeds = {scheme: scale["seeds"] if scheme in MAIN else scale["other_seeds"] for scheme in (*MAIN, *scale["others"])}
-    finals = ensure_runs({(scheme, seed): (run_config(scale, scheme, seed), out / "runs" / f"{scheme}-s{seed}")
-                          for scheme in seeds for seed in seeds[scheme]}, log, jobs)
-    accuracy = {scheme: [finals[scheme, seed]["eval_exact_match"] for seed in seeds[scheme]] for scheme in seeds}
+    finals = ensure_runs(runs(scale_name, out), log, jobs)
+    accuracy = {scheme: [finals[scheme, seed]["eval_exact_match"] for seed in seeds]
+                for scheme, seeds in _seeds(scale).items()}
     mean = {s: statistics.fmean(v) for s, v in accuracy.items()}
     std = {s: statistics.pstdev(v) if len(v) > 1 else 0.0 for s, v in accuracy.items()}
     alphabet = scale["task"].get("alphabet_size") or 52

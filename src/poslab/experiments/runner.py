@@ -20,6 +20,8 @@ import torch
 
 from poslab.errors import ConfigError, PoslabError, unknown_key_message
 from poslab.experiments.claims import Claim
+from poslab.experiments.common import ensure_runs
+from poslab.train.parallel import Parallel
 
 SCALES = ("quick", "paper", "smoke")  # smoke: seconds-long runs that exercise a recipe in tests
 
@@ -119,6 +121,19 @@ def reproduce(names: list[str], scale: str, out: str | Path, force: bool = False
     if not _is_main():
         log = lambda _: None  # noqa: E731  (other ranks stay silent)
     check_writable(out)
+    # Under torchrun, one process group for the whole reproduction: the trainings and the ranks' agreement
+    # on what to train (common.ensure_run) share it.
+    parallel = Parallel.setup() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    try:
+        recipes = _run_recipes(names, scale, out, force, log, jobs)
+    finally:
+        if parallel is not None:
+            parallel.close()
+    return {"recipes": recipes, "scale": scale}
+
+
+def _run_recipes(names: list[str], scale: str, out: Path, force: bool, log: Callable[[str], None],
+                 jobs: int) -> dict[str, Any]:
     results_path = out / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
     recipes = results.get("recipes", {}) if results.get("scale") == scale else {}
@@ -129,20 +144,22 @@ def reproduce(names: list[str], scale: str, out: str | Path, force: bool = False
             recipes[name] = finished
             continue
         log(f"[{name}] running at {scale} scale: {RECIPES[name][1]}")
-        module, fn = RECIPES[name][0].split(":")
+        module_name, fn = RECIPES[name][0].split(":")
+        module = importlib.import_module(module_name)
+        if not _is_main():  # the other ranks only train (data-parallel with rank 0); rank 0 analyses and writes
+            ensure_runs(module.runs(scale, out / name), log)
+            continue
         start = time.perf_counter()
-        result: RecipeResult = getattr(importlib.import_module(module), fn)(scale, out / name, log, jobs)
+        result: RecipeResult = getattr(module, fn)(scale, out / name, log, jobs)
         result.seconds = time.perf_counter() - start
-        record = result.to_dict()
-        recipes[name] = record
-        if _is_main():
-            write_json(out / name / "result.json", record)
-            held = sum(c.held for c in result.claims)
-            log(f"[{name}] done in {result.seconds:.0f} s: {held}/{len(result.claims)} claims held")
-            _write_all(out, scale, recipes, jobs)
+        recipes[name] = result.to_dict()
+        write_json(out / name / "result.json", recipes[name])
+        held = sum(c.held for c in result.claims)
+        log(f"[{name}] done in {result.seconds:.0f} s: {held}/{len(result.claims)} claims held")
+        _write_all(out, scale, recipes, jobs)
     if _is_main():
         _write_all(out, scale, recipes, jobs)
-    return {"recipes": recipes, "scale": scale}
+    return recipes
 
 
 def _is_main() -> bool:
