@@ -1,7 +1,7 @@
 """DSTG-NeoBERT (papers/dstg.md): MLM pretraining of DSTG and its three baselines on the same data,
 then the AP table's spectra, DSTG's head taxonomy and linear probes of document structure by layer.
 
-Quick scale pretrains 4 x 128 encoders on the built-in synthetic structured-document corpus (exact
+Quick scale pretrains 2 x 64 encoders on the built-in synthetic structured-document corpus (exact
 sentence and paragraph boundaries); paper scale uses the 6 x 768 configs on FineWeb by name.
 """
 from __future__ import annotations
