@@ -101,7 +101,8 @@ def structure_probes(run: Run, opts: Options) -> dict[str, dict[str, float]]:
             for t, y in targets.items()}
 
 
-def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1) -> RecipeResult:
+def runs(scale_name: str, out: Path) -> dict[str, tuple[dict, Path]]:
+    """The trainings: model name -> (run config, run directory), all four on the one prepared corpus."""
     scale = SCALES[scale_name]
     data = data_section(scale, out)
     configs = {}
@@ -110,27 +111,33 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1) -
         configs[name] = ({"seed": 0, "model": model, "data": data,
                           "train": {"eval_every": 0, "eval_batches": 8, "log_every": 50, **scale["train"]}},
                          out / "runs" / name)
+    return configs
+
+
+def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1) -> RecipeResult:
+    scale = SCALES[scale_name]
+    configs = runs(scale_name, out)
     finals = ensure_runs(configs, log, jobs)
-    runs = {name: Run.load(out / "runs" / name) for name in configs}
+    loaded = {name: Run.load(out / "runs" / name) for name in configs}
     opts = Options(sequences=scale["sequences"], batch_size=16)
     figures: list[str] = []
 
-    rows = reached_rows(runs["dstg"], opts)
+    rows = reached_rows(loaded["dstg"], opts)
     # The recipe's claims read the rows most sequences reach; spectra_analysis (figures) reads them all.
-    spectra = {name: spectrum_summary(ap_table(runs[name].model).detach()[:rows].cpu())
+    spectra = {name: spectrum_summary(ap_table(loaded[name].model).detach()[:rows].cpu())
                for name in ("dstg", "ap_neobert")}
     for name in spectra:
-        spectra_analysis(runs[name], opts)
-    head_data = heads_analysis(runs["dstg"], opts)
-    probe = {name: structure_probes(runs[name], opts) for name in MODELS}
+        spectra_analysis(loaded[name], opts)
+    head_data = heads_analysis(loaded["dstg"], opts)
+    probe = {name: structure_probes(loaded[name], opts) for name in MODELS}
     for name in ("dstg", "ap_neobert"):
-        figures += [rel(runs[name].out_dir / f, out) for f in ("spectra_pca.png", "spectra_components.png",
+        figures += [rel(loaded[name].out_dir / f, out) for f in ("spectra_pca.png", "spectra_components.png",
                                                                 "spectra_dct.png")]
-    figures += [rel(runs["dstg"].out_dir / f, out) for f in head_data["figures"]]
+    figures += [rel(loaded["dstg"].out_dir / f, out) for f in head_data["figures"]]
 
     def last_layer(name: str, target: str, stream: str = "") -> float:
         """R^2 from the last block's residual stream (the whole [AP | sem] state for DSTG, or one stream)."""
-        return probe[name][target][f"blocks.{runs[name].model.config.num_hidden_layers - 1}.resid_post{stream}"]
+        return probe[name][target][f"blocks.{loaded[name].model.config.num_hidden_layers - 1}.resid_post{stream}"]
 
     def best_layer(name: str, target: str) -> float:
         return max(layers for layers in probe[name][target].values())
@@ -169,7 +176,7 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1) -
          + [[f"dstg {s} stream", *[last_layer("dstg", t, f".{s}") for t in (TOKEN, SEGMENT, INTRA)]]
             for s in ("ap", "sem")]},
         {"title": "Pretraining", "columns": ["model", "parameters", "final MLM loss", "eval accuracy"],
-         "rows": [[m, runs[m].model.num_parameters(), finals[m].get("train_loss"),
+         "rows": [[m, loaded[m].model.num_parameters(), finals[m].get("train_loss"),
                    finals[m].get("eval_token_accuracy")] for m in MODELS]},
     ]
     figures.append(rel(plots.bars(out / "probes_last_layer.png",
