@@ -35,8 +35,9 @@ def run_line(data: dict[str, Any]) -> str:
     total = sum(len(r["claims"]) for r in data["recipes"].values())
     held = sum(c["held"] for r in data["recipes"].values() for c in r["claims"])
     load = f", load average {m['load_average_15min']:.1f} over the last 15 min" if "load_average_15min" in m else ""
-    return (f"{data['date']} on {m['processor']}, {m['cpus']} CPUs ({m['torch_threads']} torch threads, "
-            f"{m.get('jobs', 1)} training jobs{load})"
+    threads, jobs = m["torch_threads"], m.get("jobs", 1)
+    return (f"{data['date']} on {m['processor']}, {m['cpus']} CPUs ({threads} torch thread{'s' * (threads != 1)}, "
+            f"{jobs} training job{'s' * (jobs != 1)}{load})"
             + (f", GPUs: {', '.join(m['gpus'])}" if m.get("gpus") else "")
             + f", torch {m['torch']}; {data['seconds']:.0f} s in all "
             + "(" + ", ".join(f"{name} {rec['seconds']:.0f} s" for name, rec in data["recipes"].items())
