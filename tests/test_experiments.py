@@ -171,3 +171,27 @@ def test_reproduce_under_torchrun(tmp_path):
     data = json.loads((tmp_path / "results.json").read_text())
     assert list(data["recipes"]) == ["indirect-indexing", "extrapolation", "frequencies"]
     assert (tmp_path / "extrapolation" / "runs" / "rope" / "final.json").exists()
+
+
+@pytest.mark.parametrize("name", list(runner.RECIPES))
+def test_paper_scale_trainings_are_valid_configs(name, tmp_path):
+    """Every paper-scale training validates and builds (on the meta device, with a stand-in vocabulary: the
+    real one comes from data prepared on the GPU machine, which nothing here downloads)."""
+    import importlib
+
+    import torch
+
+    from poslab.data import DataConfig
+    from poslab.models import build_model
+    from poslab.train import RunConfig
+
+    module = importlib.import_module(runner.RECIPES[name][0].split(":")[0])
+    trainings = module.runs("paper", tmp_path / name)
+    assert trainings
+    for config, out in trainings.values():
+        cfg = RunConfig.from_dict({**config, "model": {**config["model"], "vocab_size": 1000}})
+        with torch.device("meta"):
+            assert build_model(cfg.model).num_parameters() > 10_000_000
+        data = dict(config["data"])
+        if data.pop("kind") in ("lm", "mlm"):
+            assert DataConfig.from_options(data).source["type"] == "hf"  # a corpus by name, streamed
