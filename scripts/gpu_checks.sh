@@ -22,7 +22,7 @@ step gpu nvidia-smi
 step kernel_tests python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_pope.py -k "cuda or triton"
 step pope_kernel python3 benchmarks/pope_kernel.py
 # The run directory stays outside $OUT: only a few files come back from a device session.
-step smoke python3 -m poslab reproduce all --scale smoke --out /tmp/poslab-smoke --jobs 1
+step smoke python3 -m poslab reproduce all --scale smoke --out /tmp/poslab-smoke --jobs 1 --force
 cp /tmp/poslab-smoke/report.md "$OUT/smoke_report.md" 2>/dev/null || failed=$((failed + 1))
 echo "$failed step(s) failed"
 exit "$failed"

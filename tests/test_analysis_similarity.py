@@ -138,3 +138,9 @@ def test_huge_finite_values_and_low_precision_inputs_are_scored_exactly():
     assert float(adjacency_score(sim)) == 1.0
     half = torch.randn(2, 9, 9).to(torch.bfloat16)
     assert same(adjacency_row_scores(half), adjacency_row_scores_reference(half.double()))
+
+
+def test_matrices_too_small_for_a_score_give_nan_rows():
+    for shape in [(0, 0), (3, 0, 0), (2, 2), (4, 1, 1)]:
+        rows = adjacency_row_scores(torch.zeros(shape))
+        assert rows.shape == shape[:-1] and torch.isnan(rows).all()

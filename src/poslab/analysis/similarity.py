@@ -84,7 +84,10 @@ def _compiled_row_scores():
     importing poslab stays fast."""
     import numba
 
-    return numba.njit(cache=True, nogil=True)(_row_scores)
+    try:
+        return numba.njit(cache=True, nogil=True)(_row_scores)
+    except RuntimeError:  # no writable cache location (read-only install, no writable HOME): compile each time
+        return numba.njit(nogil=True)(_row_scores)
 
 
 def adjacency_row_scores(sim: torch.Tensor) -> torch.Tensor:
@@ -94,6 +97,8 @@ def adjacency_row_scores(sim: torch.Tensor) -> torch.Tensor:
     if sim.dim() < 2 or sim.shape[-1] != sim.shape[-2]:
         raise DataError(f"adjacency needs square similarity matrices (..., n, n), got shape {tuple(sim.shape)}")
     n, batch = sim.shape[-1], sim.shape[:-2]
+    if n < 3 or sim.numel() == 0:  # no row has two earlier positions (and reshape(-1, 0, 0) is ambiguous)
+        return torch.full((*batch, n), float("nan"), dtype=torch.float64, device=sim.device)
     rows = np.ascontiguousarray(sim.detach().reshape(-1, n, n).to("cpu", torch.float64).numpy())
     out = np.full(rows.shape[:2], np.nan)
     _compiled_row_scores()(rows, out)

@@ -19,8 +19,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="torch CPU threads (default: 1 at quick scale, where the models are too small for "
                         "intra-op parallelism to pay; torch's default otherwise)")
     p.add_argument("--jobs", type=int, default=None,
-                   help="models trained side by side, each in its own process (default: one per CPU at quick "
-                        "scale, 1 otherwise and always under torchrun)")
+                   help="models trained side by side, each in its own process (default: one per CPU at quick and "
+                        "smoke scale on a machine without CUDA, else 1; always 1 under torchrun)")
     p.add_argument("--list", action="store_true", help="list the recipes and exit")
     p.set_defaults(func=run)
 
@@ -40,7 +40,9 @@ def run(args: argparse.Namespace) -> int:
         if threads < 1:
             raise PoslabError(f"--threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
-    jobs = args.jobs if args.jobs is not None else len(os.sched_getaffinity(0)) if small else 1
+    # One 1-thread training per CPU suits small CPU models; on a GPU they would all crowd onto one device.
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    jobs = args.jobs if args.jobs is not None else cpus if small and not torch.cuda.is_available() else 1
     if jobs < 1:
         raise PoslabError(f"--jobs must be >= 1, got {jobs}")
     data = reproduce(args.names, args.scale, args.out, force=args.force, jobs=jobs)

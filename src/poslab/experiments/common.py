@@ -69,8 +69,8 @@ def _rank_zero_view(look: Callable[[], Any]) -> Any:
     return box[0]
 
 
-def ensure_runs(runs: dict[str, tuple[dict[str, Any], Path]], log: Callable[[str], None],
-                jobs: int = 1) -> dict[str, dict[str, Any]]:
+def ensure_runs(runs: dict[Any, tuple[dict[str, Any], Path]], log: Callable[[str], None],
+                jobs: int = 1) -> dict[Any, dict[str, Any]]:
     """``ensure_run`` for each named (config, out), up to ``jobs`` at a time, and their final metrics by name.
 
     Small CPU models gain little from intra-op threads, so independent trainings side by side, each in its
@@ -78,16 +78,19 @@ def ensure_runs(runs: dict[str, tuple[dict[str, Any], Path]], log: Callable[[str
     A parallel run's progress goes to ``out`` + ".log" (interleaved bars would be unreadable). Under
     torchrun every rank trains every run together, so runs stay sequential there.
     """
+    # RunConfig.from_dict prepares a corpus when the vocabulary comes from the data, so a corpus the runs
+    # share is prepared here, once, before any worker starts.
     pending = {name: (config, out) for name, (config, out) in runs.items()
                if finished(RunConfig.from_dict(config), out) is None}
     if jobs <= 1 or len(pending) <= 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return {name: ensure_run(config, out, log) for name, (config, out) in runs.items()}
-    threads = max(1, torch.get_num_threads() // jobs)
-    pool = ProcessPoolExecutor(max_workers=min(jobs, len(pending)), mp_context=multiprocessing.get_context("spawn"))
+    workers = min(jobs, len(pending))
+    threads = max(1, torch.get_num_threads() // workers)
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
     try:
         futures = {}
         for name, (config, out) in pending.items():
-            log(f"  queued {out.name} for a worker process ({jobs} at a time; progress: {out}.log)")
+            log(f"  queued {out.name} for a worker process ({workers} at a time; progress: {out}.log)")
             futures[name] = pool.submit(_ensure_run_in_worker, config, out, threads)
         done = {name: future.result() for name, future in futures.items()}
     finally:

@@ -6,6 +6,7 @@ redoing work. results.json and report.md are rewritten (atomically) after every 
 """
 from __future__ import annotations
 
+import datetime
 import importlib
 import json
 import os
@@ -122,8 +123,12 @@ def reproduce(names: list[str], scale: str, out: str | Path, force: bool = False
         log = lambda _: None  # noqa: E731  (other ranks stay silent)
     check_writable(out)
     # Under torchrun, one process group for the whole reproduction: the trainings and the ranks' agreement
-    # on what to train (common.ensure_run) share it.
-    parallel = Parallel.setup() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    # on what to train (common.ensure_run) share it. The other ranks wait in that agreement while rank 0
+    # analyses the previous recipe, which at paper scale can outlast the default 30-minute timeout. Their
+    # trainings are data-parallel, never side by side.
+    parallel = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        parallel, jobs = Parallel.setup(timeout=datetime.timedelta(hours=12)), 1
     try:
         recipes = _run_recipes(names, scale, out, force, log, jobs)
     finally:

@@ -8,6 +8,7 @@ classes in Hugging Face's ``_no_split_modules``), so only one block is gathered 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,9 @@ class Parallel:
     owns_group: bool  # created here, so destroyed here; a caller's group is left alone
 
     @classmethod
-    def setup(cls, device: str = "auto") -> Parallel:
+    def setup(cls, device: str = "auto", timeout: datetime.timedelta | None = None) -> Parallel:
+        """This process's place in the job; creates the process group under torchrun (``timeout``: how long a
+        collective may wait for the other ranks, torch's default when None)."""
         if device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("train.device is cuda but no CUDA device is visible; set train.device: cpu")
         use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
@@ -38,7 +41,7 @@ class Parallel:
             torch.cuda.set_device(local_rank)
         owns = False
         if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", 1)) > 1:
-            dist.init_process_group(backend="cpu:gloo,cuda:nccl" if use_cuda else "gloo")
+            dist.init_process_group(backend="cpu:gloo,cuda:nccl" if use_cuda else "gloo", timeout=timeout)
             owns = True
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         return cls(rank, world, torch.device("cuda", local_rank) if use_cuda else torch.device("cpu"), owns)
