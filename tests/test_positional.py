@@ -126,3 +126,16 @@ def test_unknown_option_suggests_closest():
 def test_bad_options_rejected(name, options, message):
     with pytest.raises(ConfigError, match=message):
         PositionalConfig(name, options)
+
+
+def test_options_take_numbers_in_yamls_string_spelling():
+    """YAML 1.1 reads 1e4 as the string '1e4'; model and train numbers accept it, so scheme options do too."""
+    from poslab.positional.pope import PoPEOptions
+    from poslab.positional.rope import RoPEOptions
+
+    assert PoPEOptions(base="1e4").base == 10000.0
+    assert RoPEOptions(scaling="yarn", factor="2", original_max_len="2048").original_max_len == 2048
+    with pytest.raises(ConfigError, match="pope.base must be float"):
+        PoPEOptions(base="ten thousand")
+    with pytest.raises(ConfigError, match="rope.original_max_len must be int"):
+        RoPEOptions(original_max_len="2048.5")

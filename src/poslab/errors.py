@@ -1,6 +1,7 @@
 """Errors a user can fix. The CLI prints ``str(err)`` as one line on stderr and exits with code 2."""
 from __future__ import annotations
 
+import contextlib
 import difflib
 import sys
 import types
@@ -48,6 +49,20 @@ def lookup(kind: str, name: object, registry: Mapping[str, T]) -> T:
     if not isinstance(name, str) or name not in registry:
         raise ConfigError(unknown_key_message(kind, name, registry))
     return registry[name]
+
+
+def parse_number(value: Any) -> int | float | None:
+    """A config value as a number, or None. YAML 1.1 reads ``3e-4`` as a string, so a string is parsed in any
+    spelling int() or float() takes (int first: float() rounds integers past 2^53); booleans are not numbers."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return value
+    if isinstance(value, str):
+        for parse in (int, float):
+            with contextlib.suppress(ValueError):
+                return parse(value)
+    return None
 
 
 def finite(number: int | float) -> bool:

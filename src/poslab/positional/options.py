@@ -5,7 +5,7 @@ import dataclasses
 import typing
 from typing import Any
 
-from poslab.errors import ConfigError, check_type, unknown_key_message
+from poslab.errors import ConfigError, check_type, parse_number, unknown_key_message
 
 
 def options_dataclass(cls):
@@ -20,8 +20,21 @@ def options_dataclass(cls):
         for key, value in kwargs.items():
             if key not in fields:
                 raise ConfigError(unknown_key_message(f"option for positional scheme '{cls.scheme}'", key, fields))
-            check_type(f"{cls.scheme}.{key}", value, hints[key])
+            kwargs[key] = _yaml_number(value, hints[key])
+            check_type(f"{cls.scheme}.{key}", kwargs[key], hints[key])
         init(self, **kwargs)
 
     cls.__init__ = __init__
     return cls
+
+
+def _yaml_number(value: Any, hint: Any) -> Any:
+    """A numeric option written as YAML 1.1 reads ``1e4`` (a string) as that number, as model and train numbers
+    are; anything else is left for check_type to judge."""
+    allowed = typing.get_args(hint) or (hint,)
+    number = parse_number(value) if isinstance(value, str) else None
+    if number is None:
+        return value
+    if float in allowed:
+        return float(number)
+    return int(number) if int in allowed and float(number).is_integer() else value

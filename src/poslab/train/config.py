@@ -14,7 +14,6 @@ spelling. ``--set train.lr=1e-3`` overrides parse their value as YAML.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import sys
@@ -27,7 +26,7 @@ from typing import Any
 import yaml
 
 from poslab.batches import SOURCES, BatchSource, build_batch_source
-from poslab.errors import ConfigError, finite, lookup, require, unknown_key_message
+from poslab.errors import ConfigError, finite, lookup, parse_number, require, unknown_key_message
 from poslab.models import ARCHS, DSTGConfig, ModelConfig
 
 # arch -> its typed model config (poslab.models.ARCHS names the builders of the same archs).
@@ -232,7 +231,7 @@ def _coerce(kind: Any, value: Any, key: str) -> Any:
         require(isinstance(value, bool), f"{key} must be true or false, got {value!r}")
         return value
     if kind in (int, float):
-        number = _number(value)
+        number = parse_number(value)
         require(number is not None, f"{key} must be a number, got {value!r}")
         if kind is int:
             require(isinstance(number, int) or float(number).is_integer(), f"{key} must be an integer, got {value!r}")
@@ -245,13 +244,4 @@ def _coerce(kind: Any, value: Any, key: str) -> Any:
     return value
 
 
-def _number(value: Any) -> float | int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):
-        return value
-    if isinstance(value, str):
-        for parse in (int, float):  # int first: float() rounds integers past 2^53
-            with contextlib.suppress(ValueError):
-                return parse(value)
-    return None
+
