@@ -13,6 +13,17 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test (modules opt in with ``pytestmark``): tiny models gain nothing from a
+    second thread, and under load its OpenMP spinning makes them several times slower. The 2-process training
+    test also needs it set before it forks."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # ---- the reliability record (tests/test_reliability_*.py; scripts/reliability_report.py renders it) ----------
 # A test takes the `reliability` fixture and calls record(group, fault, cases, outcome) with what it measured;
 # the record is appended, with the test's result (passed, failed, xfailed), to $POSLAB_RELIABILITY_RESULTS

@@ -10,12 +10,8 @@ from poslab.analysis.spectra import dct_power, pca, spectrum_summary
 from poslab.analysis.variance import position_variance, variance_profile, variance_trend
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small tensors on shared cores: a second thread only adds OpenMP spinning
-    yield
-    torch.set_num_threads(threads)
+# Small models on shared cores: a second intra-op thread only adds OpenMP spinning.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_variance_profile_of_causal_means_shrinks():

@@ -7,12 +7,8 @@ from poslab.analysis.probes import (absolute_positions, classification_probe, co
 from poslab.errors import DataError
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small tensors on shared cores: a second thread only adds OpenMP spinning
-    yield
-    torch.set_num_threads(threads)
+# Small models on shared cores: a second intra-op thread only adds OpenMP spinning.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_split_is_by_sequence_disjoint_and_complete():

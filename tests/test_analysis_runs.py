@@ -18,12 +18,8 @@ from poslab.models import build_model
 from poslab.train import RunConfig, train
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models on shared cores: a second thread only adds OpenMP spinning
-    yield
-    torch.set_num_threads(threads)
+# Small models on shared cores: a second intra-op thread only adds OpenMP spinning.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def config(positional: str, arch: str = "decoder") -> dict:

@@ -13,12 +13,8 @@ from poslab.functional import adjacency_score as functional_adjacency
 from poslab.functional import cosine_self_similarity as functional_cosine
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small tensors on shared cores: a second thread only adds OpenMP spinning
-    yield
-    torch.set_num_threads(threads)
+# Small models on shared cores: a second intra-op thread only adds OpenMP spinning.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def same(a, b):

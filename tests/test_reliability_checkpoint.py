@@ -29,12 +29,8 @@ FILES = ["config.json", "model.safetensors", ckpt.OPTIMIZER_FILE, ckpt.SCHEDULER
          ckpt.STATE_FILE, ckpt.MANIFEST]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Small models on shared cores: a second intra-op thread only adds OpenMP spinning.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def write_config(path: Path, d_model: int = 32) -> Path:
@@ -67,6 +63,12 @@ def runs(tmp_path_factory):
         assert cli("train", str(config), "--out", str(root / "three"))[0] == 0
         assert cli("train", str(config), "--out", str(root / "four"), "--set", "train.steps=4")[0] == 0
     return config, root / "three", root / "four"
+
+
+def copy_of(run: Path, where: Path) -> Path:
+    """A copy of a finished run at ``where``, to damage or resume without touching the shared original."""
+    shutil.copytree(run, where)
+    return where
 
 
 def corrupt(file: Path, kind: str, rng: random.Random) -> None:
@@ -119,8 +121,7 @@ def test_every_kind_of_damage_to_every_file_is_detected_in_one_line(tmp_path, ru
                          + [("model.safetensors", "truncate to half"), (ckpt.OPTIMIZER_FILE, "delete")])
 def test_resume_falls_back_to_the_previous_checkpoint(tmp_path, runs, name, kind, reliability):
     config, three, four = runs
-    run = tmp_path / "run"
-    shutil.copytree(three, run)
+    run = copy_of(three, tmp_path / "run")
     corrupt(run / "checkpoints/last" / name, kind, random.Random(1))
     code, out, err = cli("train", str(config), "--out", str(run), "--resume", "--set", "train.steps=4")
     assert code == 0, err
@@ -139,8 +140,7 @@ def test_resume_falls_back_to_the_previous_checkpoint(tmp_path, runs, name, kind
 
 def test_no_intact_checkpoint_refuses_and_changes_nothing(tmp_path, runs, reliability):
     config, three, _ = runs
-    run = tmp_path / "run"
-    shutil.copytree(three, run)
+    run = copy_of(three, tmp_path / "run")
     corrupt(run / "checkpoints/last/model.safetensors", "flip one byte", random.Random(2))
     corrupt(run / "checkpoints/last/previous" / ckpt.STATE_FILE, "truncate to half", random.Random(2))
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
@@ -154,8 +154,7 @@ def test_no_intact_checkpoint_refuses_and_changes_nothing(tmp_path, runs, reliab
 
 def test_a_damaged_best_checkpoint_falls_back_for_analysis(tmp_path, runs, reliability, capsys):
     _, three, _ = runs
-    run = tmp_path / "run"
-    shutil.copytree(three, run)
+    run = copy_of(three, tmp_path / "run")
     corrupt(run / "checkpoints/best/model.safetensors", "truncate to half", random.Random(3))
     _, model = load_run(run)
     warning = capsys.readouterr().err
@@ -175,8 +174,7 @@ def test_a_damaged_best_checkpoint_falls_back_for_analysis(tmp_path, runs, relia
 def test_resume_after_a_torn_metrics_line(tmp_path, runs, reliability):
     """SIGKILL cannot tear a line (each record is one write), but a full disk or a power cut can."""
     config, three, _ = runs
-    run = tmp_path / "run"
-    shutil.copytree(three, run)
+    run = copy_of(three, tmp_path / "run")
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"step": 4, "loss": 2.1, "l')
     code, _, err = cli("train", str(config), "--out", str(run), "--resume", "--set", "train.steps=4")
@@ -209,8 +207,7 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path, runs, reliability):
                            "it holds a 'dstg_neobert' model, this config builds a 'poslab' model"),
     }
     for i, (label, (model, message)) in enumerate(cases.items()):
-        run = tmp_path / f"run{i}"
-        shutil.copytree(three, run)
+        run = copy_of(three, tmp_path / f"run{i}")
         _replace_last(run, model)
         code, _, err = cli("train", str(config), "--out", str(run), "--resume")
         assert code == 2 and err.count("\n") == 1 and message in err, (label, err)
@@ -232,22 +229,19 @@ def _rewrite_state(checkpoint: Path, **changes) -> None:
 def test_checkpoints_of_other_poslab_versions(tmp_path, runs, reliability):
     config, three, _ = runs
     # A newer format: refused, naming both versions.
-    run = tmp_path / "newer"
-    shutil.copytree(three, run)
+    run = copy_of(three, tmp_path / "newer")
     _rewrite_state(run / "checkpoints/last", format=ckpt.FORMAT + 1, poslab_version="9.0.0")
     code, _, err = cli("train", str(config), "--out", str(run), "--resume")
     assert code == 2 and err.count("\n") == 1, err
     assert (f"was written by poslab 9.0.0 in checkpoint format {ckpt.FORMAT + 1}; poslab {poslab.__version__} "
             f"reads format {ckpt.FORMAT}: continue the run with poslab 9.0.0") in err
     # Another version writing the same format: resumed, with a note.
-    run = tmp_path / "older"
-    shutil.copytree(three, run)
+    run = copy_of(three, tmp_path / "older")
     _rewrite_state(run / "checkpoints/last", poslab_version="0.0.9")
     code, _, err = cli("train", str(config), "--out", str(run), "--resume", "--set", "train.steps=4")
     assert code == 0 and f"was written by poslab 0.0.9; continuing with poslab {poslab.__version__}" in err, err
     # From before checksums: no manifest and no format, in last and in its previous.
-    run = tmp_path / "legacy"
-    shutil.copytree(three, run)
+    run = copy_of(three, tmp_path / "legacy")
     for checkpoint in (run / "checkpoints/last", run / "checkpoints/last/previous"):
         (checkpoint / ckpt.MANIFEST).unlink()
     code, _, err = cli("train", str(config), "--out", str(run), "--resume")

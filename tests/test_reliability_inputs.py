@@ -33,6 +33,9 @@ from poslab.tasks import TASKS
 from poslab.train import checkpoint as ckpt
 from poslab.train import load_config
 
+# Small models on shared cores: a second intra-op thread only adds OpenMP spinning.
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 EXAMPLES = int(os.environ.get("POSLAB_FUZZ_EXAMPLES", "200"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck))
@@ -224,14 +227,6 @@ def check_run_dir(out: Path, complete: bool) -> str:
         assert steps.get("last") == config.train.steps
         return "complete"
     return "resumable"
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture

@@ -29,12 +29,8 @@ ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0
 TINIEST = {torch.bfloat16: 2.0**-133, torch.float16: 2.0**-24}  # smallest subnormals: what underflow loses
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Small models on shared cores: a second intra-op thread only adds OpenMP spinning.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run_config(path: Path, **train) -> Path:

@@ -29,14 +29,8 @@ from poslab.train.monitor import Monitor
 from poslab.train.optim import lr_factor, param_groups
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models on two shared cores: a second thread only adds OpenMP spinning (10x slower under load);
-    # the 2-process test also needs it set before it forks.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Small models on shared cores: a second intra-op thread only adds OpenMP spinning.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_config(**train) -> dict:

@@ -12,7 +12,9 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from poslab.train import RunConfig, train
-from test_train import _one_thread, losses, tiny_config  # noqa: F401 (_one_thread: an autouse fixture)
+from test_train import losses, tiny_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 WORLD = 2
 

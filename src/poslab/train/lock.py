@@ -7,6 +7,7 @@ and the next run takes it over. A run that finds the lock held refuses in one li
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
@@ -44,12 +45,11 @@ class RunLock:
                 raise RunLocked(f"{self.directory} is in use by another poslab run ({owner}); wait for it to finish "
                                 "or choose another output directory") from None
             # The previous holder unlinks the file as it releases: if that happened between our open and our
-            # flock, we hold a lock on a file no one else will open, so start again on the new one.
-            try:
+            # flock (the path is gone or is a new file), we hold a lock on a file no one else will open, so
+            # start again on the new one.
+            with contextlib.suppress(FileNotFoundError):
                 if os.path.samestat(os.fstat(fd), os.stat(self.path)):
                     break
-            except FileNotFoundError:
-                pass
             os.close(fd)
         left_by = _read(fd)
         os.ftruncate(fd, 0)
