@@ -47,9 +47,9 @@ def model_config(values: dict[str, Any]) -> ModelConfig | DSTGConfig:
 def build_model(config: dict[str, Any] | ModelConfig | DSTGConfig):
     """A ready model (LM head for decoders, MLM head for encoders and DSTG) from a config dict or dataclass."""
     values = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    spec = model_config(values)
-    return ARCHS[values.get("arch", "decoder")][1](spec.to_dict())
+    config_cls, builder = lookup("arch", values.get("arch", "decoder"), ARCHS)
+    return builder(config_cls.from_dict(values).to_dict())
 
 
-__all__ = ["ARCHS", "ActivationCache", "DSTGConfig", "ModelConfig", "model_config", "PoslabConfig", "PoslabForCausalLM", "PoslabForMaskedLM",
-           "PoslabModel", "build_model"]
+__all__ = ["ARCHS", "ActivationCache", "DSTGConfig", "ModelConfig", "model_config", "PoslabConfig", "PoslabForCausalLM",
+           "PoslabForMaskedLM", "PoslabModel", "build_model"]
