@@ -25,6 +25,13 @@ def test_claims_are_computed_from_the_values():
     assert claims.at_most("c", "x", 1.05, 1.1).held and not claims.at_most("c", "x", 1.2, 1.1).held
 
 
+def test_what_was_tried_is_noted_only_for_claims_that_did_not_hold():
+    result = [claims.at_least("big", 1, 2.0, 1.5), claims.at_least("huge", 100, 2.0, 50)]
+    notes = claims.tried_notes(result, {0: "tried A.", 1: "tried B."})
+    assert notes == ["Not held: huge. tried B."]
+    assert claims.tried_notes(result, {}) == []
+
+
 @pytest.fixture
 def fake_recipes(monkeypatch):
     calls = []

@@ -53,6 +53,12 @@ def all_of(claim: str, paper: Any, ours: dict[str, float], threshold: float, abo
     return Claim(claim, paper, {k: _round(v) for k, v in ours.items()}, held, rule)
 
 
+def tried_notes(result_claims: list[Claim], tried: dict[int, str]) -> list[str]:
+    """For each claim (by index) that did not hold, a note saying what the search tried: a report that
+    says "not held" should also say what was done before concluding so."""
+    return [f"Not held: {result_claims[i].claim}. {text}" for i, text in tried.items() if not result_claims[i].held]
+
+
 def _round(value: Any) -> Any:
     if isinstance(value, float):
         return round(value, 4)
