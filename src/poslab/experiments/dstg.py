@@ -43,12 +43,12 @@ SCALES = {
               "baseline_overrides": {"d_model": 64}, "dstg_overrides": {"d_ap": 16, "d_sem": 48},
               "train": {"steps": 1500, "batch_size": 32, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 100},
               "sequences": 192,
-              "tried": {3: "The search (benchmarks/quick_search/DSTG_FINDINGS.md) tried 8 heads and twice the steps: "
-                           "the best layer's R^2 stayed 0.20-0.38 in every model, so the rule fails for all four, "
-                           "not only for DSTG. Deeper models (the paper has 6 layers) were not tried.",
-                        4: "8 heads and twice the steps were tried: every DSTG head stays AP-dominated (AP share of "
-                           "logit variance 0.54-0.96, sem at most 0.37; a label needs 0.5). Deeper models (the "
-                           "paper has 6 layers) were not tried."}},
+              "tried": {3: "The search (benchmarks/quick_search/DSTG_FINDINGS.md) tried 8 heads, twice the steps and "
+                           "3 layers: the best layer's R^2 stayed 0.18-0.42 in every model, so the rule fails for all "
+                           "four, not only for DSTG. The paper's 6 layers were not tried.",
+                        4: "8 heads, twice the steps and 3 layers were tried: every DSTG head stays AP-dominated (AP "
+                           "share of logit variance 0.54-0.96, sem at most 0.37; a label needs 0.5). The paper's "
+                           "6 layers were not tried."}},
     "smoke": {"models": "quick", "data": "mlm_quick.yaml", "documents": 60, "tokenizer_documents": 30,
               "data_overrides": {"seq_len": 64, "packing": False}, "model_overrides": {"max_seq_len": 64},
               "train": {"steps": 3, "batch_size": 8, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 1},
