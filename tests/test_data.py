@@ -373,3 +373,28 @@ def test_shipped_data_configs_validate():
     paper = load_data_config(str(configs / "mlm_paper.yaml"), [])
     assert paper.source["name"] == "HuggingFaceFW/fineweb" and paper.source["streaming"] is True
     assert paper.tokenizer.vocab_size == 30522 and paper.masking.rate == 0.2
+
+
+@pytest.mark.parametrize("kind", ["wordpiece", "bpe"])
+def test_trained_tokenizer_ids_do_not_depend_on_the_process(kind):
+    """The trainers number tokens partly in hash-map order, which differs between processes: the quick LM
+    recipes' numbers moved between two runs of the same config because of it. With a vocabulary that holds
+    every word of the corpus (no ties among the last merges, as in the quick configs), three trainings in
+    fresh processes must give the same tokenizer, ids sorted by (length, text) after the special tokens."""
+    import json
+    import subprocess
+    import sys
+
+    script = ("from poslab.data.config import TokenizerConfig\nfrom poslab.data.tokenizer import train_tokenizer\n"
+              "from poslab.data.synthetic import SyntheticCorpus\n"
+              "texts = [' '.join(s for p in d for s in p) for d in SyntheticCorpus(documents=100).documents()]\n"
+              f"print(train_tokenizer(TokenizerConfig(type='{kind}', vocab_size=4000), texts).to_str())")
+    outputs = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+               for _ in range(3)}
+    assert len(outputs) == 1
+    data = json.loads(outputs.pop())
+    prefix = data["model"].get("continuing_subword_prefix") or ""
+    added = {t["content"] for t in data["added_tokens"]}
+    body = [t.removeprefix(prefix) for t in sorted(data["model"]["vocab"], key=data["model"]["vocab"].get)
+            if t not in added]
+    assert [len(b) for b in body] == sorted(len(b) for b in body) and len(body) > 100

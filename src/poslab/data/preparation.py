@@ -40,7 +40,7 @@ from tokenizers import Encoding
 from poslab.data.config import DataConfig
 from poslab.data.sources import Document, document_text, open_source
 from poslab.data.synthetic import GRAMMAR_VERSION
-from poslab.data.tokenizer import load_tokenizer, save_tokenizer, special_ids, train_tokenizer
+from poslab.data.tokenizer import TRAINING_VERSION, load_tokenizer, save_tokenizer, special_ids, train_tokenizer
 from poslab.errors import DataError
 
 MANIFEST_VERSION = 1
@@ -276,9 +276,11 @@ def default_cache_dir() -> Path:
 
 
 def prepare_key(config: DataConfig) -> str:
-    """Cache directory name: a hash of the preparation settings and of the versions of the shard format
-    and of the synthetic grammar, so that changing either prepares afresh instead of reusing stale data."""
-    content = {"prepare": config.prepare_dict(), "format": MANIFEST_VERSION, "grammar": GRAMMAR_VERSION}
+    """Cache directory name: a hash of the preparation settings and of the versions of the shard format,
+    the synthetic grammar and tokenizer training, so that changing any prepares afresh instead of reusing
+    stale data."""
+    content = {"prepare": config.prepare_dict(), "format": MANIFEST_VERSION, "grammar": GRAMMAR_VERSION,
+               "tokenizer_training": TRAINING_VERSION}
     return hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
