@@ -379,7 +379,7 @@ def test_shipped_data_configs_validate():
 def test_trained_tokenizer_ids_do_not_depend_on_the_process(kind):
     """The trainers number tokens partly in hash-map order, which differs between processes: the quick LM
     recipes' numbers moved between two runs of the same config because of it. With a vocabulary that holds
-    every word of the corpus (no ties among the last merges, as in the quick configs), three trainings in
+    every word of the corpus (no ties among the last merges, as in dstg's quick config), three trainings in
     fresh processes must give the same tokenizer, ids sorted by (length, text) after the special tokens."""
     import json
     import subprocess
