@@ -201,6 +201,20 @@ def test_positions_count_non_pad_tokens_so_left_padding_changes_nothing(start, n
     torch.testing.assert_close(left, plain, rtol=1e-5, atol=1e-5)
 
 
+@FAST
+@given(lengths=st.lists(st.integers(1, 10), min_size=2, max_size=4), seed=st.integers(0, 1000))
+def test_right_padded_batches_share_one_row_of_positions_and_match_each_sequence_alone(lengths, seed):
+    m = shared_model()
+    n = max(lengths)
+    ids = torch.randint(1, V, (len(lengths), n), generator=torch.Generator().manual_seed(seed))
+    mask = (torch.arange(n)[None] < torch.tensor(lengths)[:, None]).long()
+    assert m.model.positions(ids, mask).shape == (1, n)  # the relative bias is built once for the batch
+    with torch.no_grad():
+        batch = m(ids, attention_mask=mask).logits
+        for i, length in enumerate(lengths):
+            torch.testing.assert_close(batch[i, :length], m(ids[i:i + 1, :length]).logits[0], rtol=1e-5, atol=1e-5)
+
+
 def test_random_position_offset_applies_in_training_only():
     m = model(position_offset_max=7, max_seq_len=16)
     assert m.ap_table().shape[0] == 16 + 7 and m.model.ap_embed.weight.shape[0] == 1 + 16 + 7
@@ -308,6 +322,7 @@ def test_meta_counts_equal_built_counts_and_every_quick_config_trains_a_step():
     ({"attn_backend": "triton"}, "attn_backend must be one of auto, sdpa, eager"),
     ({"d_model": 32}, "DSTG has no 'd_model': its width is d_ap \\+ d_sem"),
     ({"n_head": 4}, "did you mean 'n_heads'"),
+    ({"sparse_prediction": 1}, "sparse_prediction must be true or false"),
 ])
 def test_bad_configs_are_rejected_with_the_fix(change, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

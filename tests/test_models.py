@@ -188,3 +188,50 @@ def test_sequence_longer_than_learned_table_names_the_limit():
 def test_bad_configs_rejected_at_build_time(cfg, message):
     with pytest.raises(ConfigError, match=message):
         poslab.build_model(cfg)
+
+
+def _mlm_pair(arch: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The same weights twice: dense and sparse prediction."""
+    if arch == "dstg":
+        cfg = {"arch": "dstg", "vocab_size": 30, "n_layers": 2, "n_heads": 4, "d_ap": 8, "d_sem": 24, "max_seq_len": 64}
+    else:
+        cfg = {"arch": "encoder", "vocab_size": 30, "d_model": 32, "n_heads": 4, "n_layers": 2,
+               "positional": {"name": "learned"}}
+    pair = []
+    for sparse in (False, True):
+        torch.manual_seed(0)
+        pair.append(poslab.build_model({**cfg, "sparse_prediction": sparse}).train())
+    return pair[0], pair[1]
+
+
+@pytest.mark.parametrize("arch", ["encoder", "dstg"])
+def test_sparse_prediction_keeps_the_loss_and_gradients_and_scores_only_labelled_tokens(arch):
+    dense, sparse = _mlm_pair(arch)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 30, (3, 10), generator=g)
+    labels = torch.where(torch.rand(3, 10, generator=g) < 0.3, ids, torch.full_like(ids, -100))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    labels[1, 7:] = -100
+    out_dense = dense(ids, attention_mask=mask, labels=labels)
+    out_sparse = sparse(ids, attention_mask=mask, labels=labels)
+    keep = labels != -100
+    assert out_sparse.logits.shape == (int(keep.sum()), 30)
+    torch.testing.assert_close(out_sparse.logits, out_dense.logits[keep])
+    torch.testing.assert_close(out_sparse.loss, out_dense.loss)
+    out_dense.loss.backward()
+    out_sparse.loss.backward()
+    for (name, a), b in zip(dense.named_parameters(), sparse.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, msg=name)
+    # Without labels nothing changes; a batch with no label gives the dense model's NaN and still backpropagates.
+    torch.testing.assert_close(sparse(ids).logits, dense(ids).logits)
+    empty = sparse(ids, labels=torch.full_like(ids, -100))
+    assert empty.logits.shape == (0, 30) and torch.isnan(empty.loss)
+    (empty.logits.sum() * 0.0).backward()
+
+
+def test_sparse_prediction_is_for_encoders():
+    with pytest.raises(ConfigError, match="sparse_prediction is for masked-LM encoders"):
+        poslab.build_model({"arch": "decoder", "sparse_prediction": True})
+    with pytest.raises(ConfigError, match="sparse_prediction must be true or false"):
+        poslab.build_model({"arch": "encoder", "sparse_prediction": "yes"})

@@ -408,10 +408,10 @@ class _FixedSource:
         return iter(self.batches)
 
 
-@pytest.mark.parametrize("arch", ["decoder", "encoder"])
+@pytest.mark.parametrize("arch", ["decoder", "encoder", "sparse encoder"])
 def test_generic_evaluation_is_loss_and_accuracy_on_labelled_tokens(arch):
     raw = tiny_config()
-    raw["model"].update(arch=arch, vocab_size=11)
+    raw["model"].update(arch=arch.split()[-1], vocab_size=11, **({"sparse_prediction": True} if "sparse" in arch else {}))
     config = RunConfig.from_dict(raw)
     model, source = build_model(config.model).train(), _FixedSource()
     config.data.kind = "lm"  # not a task source: the generic path

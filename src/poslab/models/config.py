@@ -20,7 +20,8 @@ class ModelConfig:
 
     ``ffn_hidden`` None means 4 * d_model for GELU and NeoBERT's int(2 * 4 * d_model / 3) for SwiGLU
     (the same parameter count). Weights start from normal(init_mean, init_std): the adjacency study
-    ablates both.
+    ablates both. ``sparse_prediction`` (encoders): given labels, the MLM head scores only the labelled
+    tokens and ``logits`` is (labelled tokens, vocab) (``masked_lm_output``).
     """
 
     arch: str = "decoder"
@@ -40,6 +41,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     attn_backend: str = "auto"
     pad_token_id: int | None = None
+    sparse_prediction: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.positional, dict):
@@ -63,6 +65,10 @@ class ModelConfig:
                 f"attn_backend must be one of {', '.join(BACKENDS)}, got '{self.attn_backend}'")
         require(self.pad_token_id is None or 0 <= self.pad_token_id < self.vocab_size,
                 f"pad_token_id must lie in [0, vocab_size), got {self.pad_token_id}")
+        require(isinstance(self.sparse_prediction, bool), f"sparse_prediction must be true or false, got "
+                f"{self.sparse_prediction!r}")
+        require(not (self.sparse_prediction and self.causal),
+                "sparse_prediction is for masked-LM encoders (arch: encoder); remove it from the decoder's config")
 
     @property
     def causal(self) -> bool:

@@ -53,6 +53,7 @@ class DSTGConfig:
     init_std: float = 0.02
     attn_backend: str = "auto"
     pad_token_id: int | None = None
+    sparse_prediction: bool = False  # as ModelConfig's: given labels, score only the labelled tokens
 
     def __post_init__(self) -> None:
         require(self.arch == "dstg", f"a DSTG config needs arch 'dstg', got '{self.arch}'")
@@ -90,6 +91,8 @@ class DSTGConfig:
                 f"attn_backend must be one of {', '.join(DSTG_BACKENDS)} for DSTG, got '{self.attn_backend}'")
         require(self.pad_token_id is None or 0 <= self.pad_token_id < self.vocab_size,
                 f"pad_token_id must lie in [0, vocab_size), got {self.pad_token_id}")
+        require(isinstance(self.sparse_prediction, bool), f"sparse_prediction must be true or false, got "
+                f"{self.sparse_prediction!r}")
 
     @property
     def causal(self) -> bool:

@@ -48,9 +48,12 @@ def evaluate(model: torch.nn.Module, source: BatchSource, config: RunConfig, dev
             count = int(labelled.sum())
             if count == 0:
                 continue
-            logits = out.logits[:, :-1] if causal else out.logits
+            if out.logits.dim() == 2:  # sparse prediction: the labelled tokens' logits only, in order
+                correct += int((out.logits.argmax(-1) == target[labelled]).sum())
+            else:
+                logits = out.logits[:, :-1] if causal else out.logits
+                correct += int(((logits.argmax(-1) == target) & labelled).sum())
             loss += out.loss.double().cpu() * count
-            correct += int(((logits.argmax(-1) == target) & labelled).sum())
             tokens += count
         return {"loss": float(loss) / tokens if tokens else float("nan"),
                 "token_accuracy": correct / tokens if tokens else float("nan"), "tokens": tokens}
