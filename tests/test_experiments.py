@@ -128,6 +128,8 @@ def test_every_recipe_runs_end_to_end_at_smoke_scale(tmp_path):
         for figure in record["figures"]:
             assert (tmp_path / figure).is_file(), figure
     assert (tmp_path / "report.md").read_text().startswith("# poslab reproduction (smoke scale)")
+    assert set(data["recipes"]["dstg"]["details"]["top2_by_seed"]) == {"dstg-s0", "dstg-s1", "ap_neobert-s0",
+                                                                       "ap_neobert-s1"}
 
 
 def test_parallel_runs_equal_sequential_ones_and_skip_finished(tmp_path):
@@ -229,3 +231,18 @@ def test_quick_tokenizers_keep_every_word_whole(recipe, tmp_path):
     words = {w for t in texts for w in re.findall(r"\w+", t.lower())}
     assert len(vocab) < config.tokenizer.vocab_size
     assert sorted(w for w in words if w not in vocab) == []
+
+
+def test_dstg_spectra_claims_train_every_seed_of_dstg_and_ap_neobert(tmp_path):
+    """The AP table's spectra depend on the initial draw at quick scale: DSTG and AP-NeoBERT train at every
+    spectra seed, the other two baselines once, all from the same model and data sections."""
+    from poslab.experiments import dstg
+
+    trainings = dstg.runs("quick", tmp_path)
+    assert {name: config["seed"] for name, (config, _) in trainings.items()} == {
+        "dstg": 0, "dstg-s1": 1, "dstg-s2": 2, "ap_neobert": 0, "ap_neobert-s1": 1, "ap_neobert-s2": 2,
+        "rope_neobert": 0, "rp_neobert": 0}
+    for name in ("dstg-s2", "ap_neobert-s1"):
+        config, out = trainings[name]
+        first = trainings[name.split("-")[0]][0]
+        assert config["model"] == first["model"] and config["data"] == first["data"] and out.name == name
