@@ -22,11 +22,11 @@ from poslab.experiments.runner import RecipeResult
 
 
 # What was tried for a claim (by index) that does not hold at a scale: shown only when it does not.
-TRIED = {"quick": {1: "Not searched. At base 10000 the fastest quarter of frequencies are exactly those whose "
-                      "wavelength (2 pi 10000^(c/d) tokens) is under 63 tokens, i.e. the ones that turn within the "
-                      "quick models' 64-token training context, so a short-context model's positional use sits "
-                      "there; the paper's claim is about 1,024-token language models, where over half of the "
-                      "frequencies turn within the context."}}
+TRIED = {"quick": {1: "At base 10000 the fastest quarter of frequencies are those that turn within the quick "
+                      "models' 64-token context, where a short-context model's positional use sits. A 256-token "
+                      "context at the same tokens per step (benchmarks/quick_search/frequencies_recipe.py, "
+                      "FINDINGS.md) did not change the verdict: PoPE 0.315 vs RoPE 0.391. The paper's 1,024-token "
+                      "language models were not tried."}}
 
 
 def spread(profile: list[float]) -> float:
