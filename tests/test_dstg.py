@@ -69,12 +69,16 @@ def test_last_layer_ap_part_gets_exactly_zero_mlm_gradient():
     loss.backward()
     # What writes the last layer's AP output -- its FFN's AP rows, the final AP norm -- learns nothing;
     # the same FFN rows one layer down do (the last attention's AP part still feeds the last FFN).
+    # Those two are frozen (an optimizer or DDP would otherwise wait for gradients that never come); every
+    # other parameter gets one.
+    frozen = {f"model.blocks.{last}.mlp.down.ap.weight", "model.final_norm.norms.ap.weight"}
     params = dict(m.named_parameters())
-    for name in (f"model.blocks.{last}.mlp.down.ap.weight", "model.final_norm.norms.ap.weight"):
-        grad = params[name].grad
-        assert grad is None or torch.equal(grad, torch.zeros_like(grad)), name
+    assert {name for name, p in params.items() if not p.requires_grad} == frozen
+    assert all(params[name].grad is None for name in frozen)
+    assert all(p.grad is not None for name, p in params.items() if name not in frozen)
     assert params[f"model.blocks.{last - 1}.mlp.down.ap.weight"].grad.abs().sum() > 0
     assert params[f"model.blocks.{last}.attn.out.ap.weight"].grad.abs().sum() > 0
+    assert all(p.requires_grad for p in model(d_ap=0).parameters())
 
 
 def _dense_down(mlp) -> torch.Tensor:
@@ -98,11 +102,12 @@ def test_ffn_down_projection_stays_block_diagonal_through_training():
             x = {s: torch.randn(2, 5, d, requires_grad=False) for s, d in spec.streams.items()}
             h = mlp.hidden(x).detach().requires_grad_()
             out = mlp.down_project(h)
-            g_sem = torch.autograd.grad(out["sem"].square().sum(), [h, mlp.down["ap"].weight], allow_unused=True)
+            ap_weight = [mlp.down["ap"].weight] if mlp.down["ap"].weight.requires_grad else []  # last block: frozen
+            g_sem = torch.autograd.grad(out["sem"].square().sum(), [h, *ap_weight], allow_unused=True)
             g_ap = torch.autograd.grad(out["ap"].square().sum(), [h, mlp.down["sem"].weight], allow_unused=True)
             assert torch.equal(g_sem[0][..., :h_ap], torch.zeros_like(g_sem[0][..., :h_ap]))
             assert torch.equal(g_ap[0][..., h_ap:], torch.zeros_like(g_ap[0][..., h_ap:]))
-            assert g_sem[1] is None and g_ap[1] is None
+            assert all(g is None for g in g_sem[1:]) and g_ap[1] is None
             assert g_sem[0][..., h_ap:].abs().sum() > 0 and g_ap[0][..., :h_ap].abs().sum() > 0
         opt.step()
         opt.zero_grad()
@@ -201,13 +206,14 @@ def test_positions_count_non_pad_tokens_so_left_padding_changes_nothing(start, n
     torch.testing.assert_close(left, plain, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.long, torch.bool, torch.float32])
 @FAST
 @given(lengths=st.lists(st.integers(1, 10), min_size=2, max_size=4), seed=st.integers(0, 1000))
-def test_right_padded_batches_share_one_row_of_positions_and_match_each_sequence_alone(lengths, seed):
+def test_right_padded_batches_share_one_row_of_positions_and_match_each_sequence_alone(dtype, lengths, seed):
     m = shared_model()
     n = max(lengths)
     ids = torch.randint(1, V, (len(lengths), n), generator=torch.Generator().manual_seed(seed))
-    mask = (torch.arange(n)[None] < torch.tensor(lengths)[:, None]).long()
+    mask = (torch.arange(n)[None] < torch.tensor(lengths)[:, None]).to(dtype)
     assert m.model.positions(ids, mask).shape == (1, n)  # the relative bias is built once for the batch
     with torch.no_grad():
         batch = m(ids, attention_mask=mask).logits

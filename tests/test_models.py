@@ -225,9 +225,11 @@ def test_sparse_prediction_keeps_the_loss_and_gradients_and_scores_only_labelled
         torch.testing.assert_close(b.grad, a.grad, msg=name)
     # Without labels nothing changes; a batch with no label gives the dense model's NaN and still backpropagates.
     torch.testing.assert_close(sparse(ids).logits, dense(ids).logits)
+    sparse.zero_grad(set_to_none=True)
     empty = sparse(ids, labels=torch.full_like(ids, -100))
     assert empty.logits.shape == (0, 30) and torch.isnan(empty.loss)
-    (empty.logits.sum() * 0.0).backward()
+    (empty.logits.sum() * 0.0).backward()  # what the trainer does for a micro-batch without labels
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in sparse.parameters() if p.requires_grad)
 
 
 def test_sparse_prediction_is_for_encoders():

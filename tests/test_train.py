@@ -227,11 +227,27 @@ def test_resume_continues_bitwise(tmp_path, monkeypatch):
     assert all(torch.equal(model.state_dict()[k], v) for k, v in a.items())
 
 
-def test_gradient_accumulation_matches_one_big_batch(tmp_path):
-    one = train(RunConfig.from_dict(tiny_config(steps=3)), tmp_path / "one")
-    two = train(RunConfig.from_dict(tiny_config(steps=3, grad_accum=4)), tmp_path / "two")
+@pytest.mark.parametrize("kind", ["decoder", "sparse masked LM"])
+def test_gradient_accumulation_matches_one_big_batch(kind, tmp_path):
+    """Micro-batches hold different numbers of labelled tokens (masked LM: some may hold none)."""
+    def config(**train):
+        return tiny_config(**train) if kind == "decoder" else tiny_mlm_config(tmp_path / "cache", **train)
+    one = train(RunConfig.from_dict(config(steps=3)), tmp_path / "one")
+    two = train(RunConfig.from_dict(config(steps=3, grad_accum=4)), tmp_path / "two")
     assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
     assert two["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
+
+
+def test_a_run_resumes_with_sparse_prediction_switched(tmp_path):
+    """Sparse prediction only changes which logits are computed: a run resumes across the switch, as runs
+    started before the ready configs turned it on must."""
+    train(RunConfig.from_dict(tiny_mlm_config(tmp_path / "cache", sparse=False, steps=2)), tmp_path / "run")
+    final = train(RunConfig.from_dict(tiny_mlm_config(tmp_path / "cache", steps=3)), tmp_path / "run", resume=True)
+    assert final["step"] == 3 and len(losses(tmp_path / "run")) == 3
+    with pytest.raises(ConfigError, match="cannot resume: model.d_ap"):
+        changed = tiny_mlm_config(tmp_path / "cache", steps=4)
+        changed["model"]["d_ap"] = 16
+        train(RunConfig.from_dict(changed), tmp_path / "run", resume=True)
 
 
 def _poison_third_forward(monkeypatch):
@@ -377,16 +393,20 @@ def test_example_task_configs_are_valid_and_train(tmp_path, name):
     assert math.isfinite(final["train_loss"]) and 0 <= final["eval_exact_match"] <= 1
 
 
+def tiny_mlm_config(cache: Path, sparse: bool = True, **train) -> dict:
+    """A 1-layer DSTG masked LM on a few synthetic documents (prepared once into ``cache``)."""
+    return {"seed": 0,
+            "model": {"arch": "dstg", "vocab_size": None, "n_layers": 1, "n_heads": 2, "d_ap": 8, "d_sem": 24,
+                      "max_seq_len": 32, "sparse_prediction": sparse},
+            "data": {"kind": "mlm", "source": {"type": "synthetic", "documents": 40, "seed": 0},
+                     "tokenizer": {"type": "wordpiece", "vocab_size": 200, "train_documents": 40},
+                     "validation_documents": 4, "seq_len": 32, "masking": {"style": "neobert"},
+                     "cache_dir": str(cache)},
+            "train": {"steps": 2, "batch_size": 4, "warmup_steps": 0, "eval_batches": 2, "log_every": 1, **train}}
+
+
 def test_dstg_masked_lm_run_on_a_text_source(tmp_path):
-    raw = {"seed": 0,
-           "model": {"arch": "dstg", "vocab_size": None, "n_layers": 1, "n_heads": 2, "d_ap": 8, "d_sem": 24,
-                     "max_seq_len": 32},
-           "data": {"kind": "mlm", "source": {"type": "synthetic", "documents": 40, "seed": 0},
-                    "tokenizer": {"type": "wordpiece", "vocab_size": 200, "train_documents": 40},
-                    "validation_documents": 4, "seq_len": 32, "masking": {"style": "neobert"},
-                    "cache_dir": str(tmp_path / "cache")},
-           "train": {"steps": 2, "batch_size": 4, "warmup_steps": 0, "eval_batches": 2}}
-    config = RunConfig.from_dict(raw)
+    config = RunConfig.from_dict(tiny_mlm_config(tmp_path / "cache"))
     assert config.model.vocab_size == config.data.build(0).vocab_size and not config.model.causal
     final = train(config, tmp_path / "run")
     assert math.isfinite(final["train_loss"]) and final["eval_tokens"] > 0 and 0 <= final["eval_token_accuracy"] <= 1
@@ -411,7 +431,7 @@ class _FixedSource:
 @pytest.mark.parametrize("arch", ["decoder", "encoder", "sparse encoder"])
 def test_generic_evaluation_is_loss_and_accuracy_on_labelled_tokens(arch):
     raw = tiny_config()
-    raw["model"].update(arch=arch.split()[-1], vocab_size=11, **({"sparse_prediction": True} if "sparse" in arch else {}))
+    raw["model"].update(arch=arch.split()[-1], vocab_size=11, sparse_prediction="sparse" in arch)
     config = RunConfig.from_dict(raw)
     model, source = build_model(config.model).train(), _FixedSource()
     config.data.kind = "lm"  # not a task source: the generic path

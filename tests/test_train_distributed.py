@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from poslab.train import RunConfig, train
-from test_train import losses, tiny_config
+from test_train import losses, tiny_config, tiny_mlm_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -38,14 +38,20 @@ def _worker(rank: int, root: str, runs: list[tuple[str, dict, bool, int]]) -> No
 def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path):
     settings = {"steps": 3, "batch_size": 8, "grad_accum": 2, "checkpoint_every": 3}
     train(RunConfig.from_dict(tiny_config(**settings)), tmp_path / "single")
+    # A DSTG masked LM: parameters that never get a gradient, micro-batches with few or no labelled tokens.
+    mlm = tiny_mlm_config(tmp_path / "cache", **settings)
+    train(RunConfig.from_dict(mlm), tmp_path / "single_mlm")
     # FSDP is also resumed for one more step: the optimizer state goes from a full checkpoint to shards.
     runs = [("ddp", tiny_config(**settings), False, _free_port()),
+            ("ddp_mlm", mlm, False, _free_port()),
             ("fsdp", tiny_config(**settings, fsdp=True), False, _free_port()),
             ("fsdp", tiny_config(**settings | {"steps": 4}, fsdp=True), True, _free_port())]
     # fork, not spawn: the workers inherit the imported modules instead of importing torch and
     # transformers again (seconds per process on two cores); the fixture set one thread before.
     mp.start_processes(_worker, args=(str(tmp_path), runs), nprocs=WORLD, start_method="fork")
     _assert_same_weights(tmp_path / "ddp", tmp_path / "single")
+    _assert_same_weights(tmp_path / "ddp_mlm", tmp_path / "single_mlm")
+    assert losses(tmp_path / "ddp_mlm") == pytest.approx(losses(tmp_path / "single_mlm"), rel=1e-5)
     single = train(RunConfig.from_dict(tiny_config(**settings | {"steps": 4})), tmp_path / "single", resume=True)
     _assert_same_weights(tmp_path / "fsdp", tmp_path / "single")
 

@@ -4,7 +4,7 @@ then the AP table's spectra, DSTG's head taxonomy and linear probes of document 
 Quick scale pretrains 2 x 64 encoders on the built-in synthetic structured-document corpus (exact
 sentence and paragraph boundaries); paper scale uses the 6 x 768 configs on FineWeb by name. The
 spectra claims read the mean over ``spectra_seeds`` trainings of DSTG and AP-NeoBERT; the probes and the
-head taxonomy read the first seed's four models.
+head taxonomy read the four models of seed 0.
 """
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ SPECTRA_MODELS = ("dstg", "ap_neobert")
 
 
 def run_name(model: str, seed: int) -> str:
-    """The first seed's runs keep the model's name; the spectra claims' further seeds add ``-s<seed>``."""
+    """Seed 0's runs keep the model's name; the spectra claims' other seeds add ``-s<seed>``."""
     return model if seed == 0 else f"{model}-s{seed}"
 
 
@@ -151,7 +151,7 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1) -
     figures: list[str] = []
 
     rows = reached_rows(loaded["dstg"], opts)
-    # The recipe's claims read the rows most sequences reach; spectra_analysis (figures, first seed) reads
+    # The recipe's claims read the rows most sequences reach; spectra_analysis (figures, seed 0) reads
     # them all.
     seeds = scale["spectra_seeds"]
     spectra = {(name, seed): spectrum_summary(ap_table(loaded[run_name(name, seed)].model).detach()[:rows].cpu())
@@ -220,6 +220,7 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1) -
     return RecipeResult("dstg", scale_name, result_claims, figures=figures, tables=tables,
                         notes=claims.tried_notes(result_claims, scale.get("tried", {})),
                         details={"spectra_rows": rows, "spectra_seeds": seeds, "top2": top2, "low_bins": low_bins,
-                                 "top2_by_seed": {f"{m}-s{seed}": v for (m, seed), v in top2_by_seed.items()},
-                                 "low_bins_by_seed": {f"{m}-s{seed}": v for (m, seed), v in low_bins_by_seed.items()},
+                                 "top2_by_seed": {m: [top2_by_seed[m, seed] for seed in seeds] for m in SPECTRA_MODELS},
+                                 "low_bins_by_seed": {m: [low_bins_by_seed[m, seed] for seed in seeds]
+                                                      for m in SPECTRA_MODELS},
                                  "heads": counts, "probes": probe})

@@ -260,8 +260,8 @@ class DSTGNeoBertModel(DSTGPreTrainedModel):
             mask = None if attention_mask is None else attention_mask.long()
             if mask is None or bool((mask[:, 1:] <= mask[:, :-1]).all()):
                 # No padding, or right padding only: every real token's count is its index, so one row of
-                # positions serves the batch and the relative bias is built once, not per sequence (it was
-                # 15% of a quick training step). Pad tokens, never attended to, get the indices past the end.
+                # positions serves the batch and (without a random offset) the relative bias is built once,
+                # not per sequence. Pad tokens, never attended to, get the indices past the end.
                 positions = torch.arange(n, device=input_ids.device)[None] + spec.position_start
             else:
                 positions = (mask.cumsum(1) - 1).clamp(min=0) + spec.position_start
@@ -306,6 +306,13 @@ class DSTGNeoBertForMaskedLM(DSTGPreTrainedModel):
         self.model = DSTGNeoBertModel(config)
         self.mlm_head = MLMHead(config.spec.d_sem, config.spec.vocab_size)
         self.post_init()
+        # The head reads the semantic stream only, so what writes the last AP state -- the last FFN's AP
+        # down-projection and the final AP norm -- can never get a gradient. Frozen, they keep their init as
+        # before, but stay out of the optimizer (whose saved state a resume must match) and out of DDP's
+        # gradient reduction (which would wait for them).
+        if self.model.spec.d_ap:
+            self.model.blocks[-1].mlp.down["ap"].requires_grad_(False)
+            self.model.final_norm.norms["ap"].requires_grad_(False)
 
     def get_output_embeddings(self) -> nn.Module:
         return self.mlm_head.decoder
@@ -324,7 +331,7 @@ class DSTGNeoBertForMaskedLM(DSTGPreTrainedModel):
                 labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 capture=None, **_unused) -> MaskedLMOutput:
         hidden = self.model(input_ids, attention_mask, position_ids, capture).semantic_state
-        return masked_lm_output(self.mlm_head, hidden, labels, self.config.spec.sparse_prediction)
+        return masked_lm_output(self.mlm_head, hidden, labels, self.model.spec.sparse_prediction)
 
 
 def build_dstg(values: dict[str, Any]) -> DSTGNeoBertForMaskedLM:

@@ -157,7 +157,7 @@ def masked_lm_output(head: MLMHead, hidden: torch.Tensor, labels: torch.Tensor |
     """MLM logits and mean cross-entropy over the labelled tokens. hidden (b, n, d); labels (b, n), -100 =
     not scored. Logits are (b, n, vocab), or with ``sparse`` and labels (labelled tokens, vocab) in row-major
     order (ModernBERT's ``sparse_prediction``): the same loss without scoring the ~80% of positions that
-    have no label, which took 62 of 130 ms of a quick DSTG training step."""
+    have no label, which dominate a small model's step (BENCHMARKS.md)."""
     if labels is None:
         return MaskedLMOutput(logits=head(hidden))
     if sparse:
@@ -178,6 +178,7 @@ class PoslabForMaskedLM(PoslabPreTrainedModel):
             raise ConfigError("a masked LM needs arch 'encoder'; decoders load with AutoModelForCausalLM")
         self.model = PoslabModel(config)
         self.mlm_head = MLMHead(config.spec.d_model, config.spec.vocab_size)
+        self.sparse_prediction = config.spec.sparse_prediction  # config.spec validates a dict: not per forward
         self.post_init()
 
     def get_output_embeddings(self) -> nn.Module:
@@ -187,4 +188,4 @@ class PoslabForMaskedLM(PoslabPreTrainedModel):
                 labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 capture=None, **_unused) -> MaskedLMOutput:
         hidden = self.model(input_ids, attention_mask, position_ids, capture).last_hidden_state
-        return masked_lm_output(self.mlm_head, hidden, labels, self.config.spec.sparse_prediction)
+        return masked_lm_output(self.mlm_head, hidden, labels, self.sparse_prediction)

@@ -258,6 +258,15 @@ def load_weights(model: nn.Module, path: Path) -> None:
         raise CheckpointError(f"{path} does not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}")
 
 
+# Model settings that change what a forward computes, not the weights: a checkpoint fits either value.
+FORWARD_ONLY = ("sparse_prediction",)
+
+
+def weights_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """A model spec without its FORWARD_ONLY settings: what a checkpoint has to agree with."""
+    return {key: value for key, value in spec.items() if key not in FORWARD_ONLY}
+
+
 def check_model(model: nn.Module, path: Path) -> None:
     """Raise CheckpointError naming the first difference unless ``path/config.json`` describes ``model``."""
     file = Path(path) / "config.json"
@@ -274,7 +283,7 @@ def check_model(model: nn.Module, path: Path) -> None:
         spec = type(ours).from_dict(saved).spec.to_dict()
     except (PoslabError, TypeError, ValueError) as err:
         raise CheckpointError(f"{file} is not a valid '{ours.model_type}' config: {err}") from None
-    difference = first_difference(_plain(spec), _plain(ours.spec.to_dict()), "model")
+    difference = first_difference(_plain(weights_spec(spec)), _plain(weights_spec(ours.spec.to_dict())), "model")
     if difference is not None:
         raise CheckpointError(f"{path} does not fit this model: {difference}")
 

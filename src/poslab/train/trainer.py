@@ -412,8 +412,10 @@ def _exists(checkpoint: Path) -> bool:
 
 
 def _check_same_run(saved: RunConfig, new: RunConfig) -> None:
-    """A resumed run may change train settings (e.g. more steps) but not the seed, model or data."""
+    """A resumed run may change train settings (e.g. more steps) but not the seed, model (forward-only
+    settings aside) or data."""
     old, cur = saved.to_dict(), new.to_dict()
+    old["model"], cur["model"] = ckpt.weights_spec(old["model"]), ckpt.weights_spec(cur["model"])
     for section in ("seed", "model", "data"):
         key = ckpt.first_difference(old[section], cur[section], section)
         if key is not None:
