@@ -44,14 +44,16 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path):
     # FSDP is also resumed for one more step: the optimizer state goes from a full checkpoint to shards.
     runs = [("ddp", tiny_config(**settings), False, _free_port()),
             ("ddp_mlm", mlm, False, _free_port()),
+            ("fsdp_mlm", {**mlm, "train": {**mlm["train"], "fsdp": True}}, False, _free_port()),
             ("fsdp", tiny_config(**settings, fsdp=True), False, _free_port()),
             ("fsdp", tiny_config(**settings | {"steps": 4}, fsdp=True), True, _free_port())]
     # fork, not spawn: the workers inherit the imported modules instead of importing torch and
     # transformers again (seconds per process on two cores); the fixture set one thread before.
     mp.start_processes(_worker, args=(str(tmp_path), runs), nprocs=WORLD, start_method="fork")
     _assert_same_weights(tmp_path / "ddp", tmp_path / "single")
-    _assert_same_weights(tmp_path / "ddp_mlm", tmp_path / "single_mlm")
-    assert losses(tmp_path / "ddp_mlm") == pytest.approx(losses(tmp_path / "single_mlm"), rel=1e-5)
+    for name in ("ddp_mlm", "fsdp_mlm"):
+        _assert_same_weights(tmp_path / name, tmp_path / "single_mlm")
+        assert losses(tmp_path / name) == pytest.approx(losses(tmp_path / "single_mlm"), rel=1e-5), name
     single = train(RunConfig.from_dict(tiny_config(**settings | {"steps": 4})), tmp_path / "single", resume=True)
     _assert_same_weights(tmp_path / "fsdp", tmp_path / "single")
 
