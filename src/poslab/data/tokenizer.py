@@ -98,8 +98,9 @@ def _canonical_ids(tok: Tokenizer) -> Tokenizer:
     so the same config trained models whose embedding rows belonged to other tokens, and the quick LM
     recipes' numbers moved between runs. Every token but the special ones gets its id slot by sorted
     (length, text), so a vocabulary has one numbering. Encoding depends on the vocabulary (and BPE's merge
-    list), never on ids. Not fixed here: where merges tie in count at the end of training, which of them
-    make the vocabulary can still change between processes; the trainers offer no seed."""
+    list), never on ids. Not fixed here: where merges tie in count, at any point of training, which one is
+    taken can change between processes (so can which intermediate pieces the vocabulary keeps, even when
+    every word ends up whole); the trainers offer no seed."""
     data = json.loads(tok.to_str())
     vocab = data["model"]["vocab"]
     prefix = data["model"].get("continuing_subword_prefix") or ""
