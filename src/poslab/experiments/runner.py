@@ -131,6 +131,10 @@ def reproduce(names: list[str], scale: str, out: str | Path, force: bool = False
         parallel, jobs = Parallel.setup(timeout=datetime.timedelta(hours=12)), 1
     try:
         recipes = _run_recipes(names, scale, out, force, log, jobs)
+        if parallel is not None:
+            # Leave together: a rank that tore its gloo group down while rank 0 was still analysing the
+            # last recipe aborted now and then ("terminate called without an active exception").
+            parallel.barrier()
     finally:
         if parallel is not None:
             parallel.close()
