@@ -25,8 +25,8 @@ from poslab.experiments.runner import RecipeResult
 TRIED = {"quick": {1: "At base 10000 the fastest quarter of frequencies are those that turn within the quick "
                       "models' 64-token context, where a short-context model's positional use sits. A 256-token "
                       "context at the same tokens per step (benchmarks/quick_search/frequencies_recipe.py, "
-                      "FINDINGS.md) did not change the verdict: PoPE 0.315 vs RoPE 0.391. The paper's 1,024-token "
-                      "language models were not tried."}}
+                      "FINDINGS.md; then with a WordPiece vocabulary) did not change the verdict: PoPE 0.315 vs RoPE "
+                      "0.391. The paper's 1,024-token language models were not tried."}}
 
 
 def spread(profile: list[float]) -> float:
