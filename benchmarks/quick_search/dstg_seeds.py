@@ -12,9 +12,8 @@ import copy
 import json
 from pathlib import Path
 
-from poslab.analysis.commands import Options, ap_table
+from poslab.analysis.commands import Options
 from poslab.analysis.runs import Run
-from poslab.analysis.spectra import spectrum_summary
 from poslab.experiments import common, dstg
 
 MODELS = ("dstg", "ap_neobert")
@@ -38,10 +37,10 @@ def main() -> None:
     for seed in args.seeds:
         loaded = {name: Run.load(args.out / f"s{seed}" / name) for name in MODELS}
         rows = dstg.reached_rows(loaded["dstg"], opts)
-        spectra = {name: spectrum_summary(ap_table(run.model).detach()[:rows].cpu()) for name, run in loaded.items()}
+        spectra = {name: dstg.ap_spectrum(run, rows) for name, run in loaded.items()}
         print(json.dumps({"seed": seed, "rows": rows,
-                          "top2": {n: round(s["top2_explained"], 4) for n, s in spectra.items()},
-                          "dct_low": {n: round(sum(s["low_bin_share"][:2]) / 2, 4) for n, s in spectra.items()},
+                          "top2": {n: round(top2, 4) for n, (top2, _) in spectra.items()},
+                          "dct_low": {n: round(low, 4) for n, (_, low) in spectra.items()},
                           "eval_token_accuracy": {n: round(finals[seed, n]["eval_token_accuracy"], 4)
                                                   for n in MODELS}}), flush=True)
 

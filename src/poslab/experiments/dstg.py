@@ -106,6 +106,13 @@ def reached_rows(run: Run, opts: Options) -> int:
     return int(lengths.median())
 
 
+def ap_spectrum(run: Run, rows: int) -> tuple[float, float]:
+    """What the spectra claims read of a model's AP table over its first ``rows`` positions: the top-2 PCA
+    share, and the share of DCT-II power in the first 4 bins averaged over PC1 and PC2."""
+    summary = spectrum_summary(ap_table(run.model).detach()[:rows].cpu())
+    return summary["top2_explained"], sum(summary["low_bin_share"][:2]) / 2
+
+
 def structure_probes(run: Run, opts: Options) -> dict[str, dict[str, float]]:
     """Ridge-probe test R^2 of each structure target from every residual stream (DSTG: also AP and sem
     separately), on the trained model; sequences split by sequence. {target: {stream name: R^2}}."""
@@ -154,8 +161,7 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1) -
     # The recipe's claims read the rows most sequences reach; spectra_analysis (figures, seed 0) reads
     # them all.
     seeds = scale["spectra_seeds"]
-    spectra = {(name, seed): spectrum_summary(ap_table(loaded[run_name(name, seed)].model).detach()[:rows].cpu())
-               for name in SPECTRA_MODELS for seed in seeds}
+    spectra = {(name, seed): ap_spectrum(loaded[run_name(name, seed)], rows) for name in SPECTRA_MODELS for seed in seeds}
     for name in SPECTRA_MODELS:
         spectra_analysis(loaded[name], opts)
     head_data = heads_analysis(loaded["dstg"], opts)
@@ -172,8 +178,8 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1) -
     def best_layer(name: str, target: str) -> float:
         return max(layers for layers in probe[name][target].values())
 
-    top2_by_seed = {key: s["top2_explained"] for key, s in spectra.items()}
-    low_bins_by_seed = {key: sum(s["low_bin_share"][:2]) / 2 for key, s in spectra.items()}  # mean of PC1, PC2
+    top2_by_seed = {key: top2 for key, (top2, _) in spectra.items()}
+    low_bins_by_seed = {key: low for key, (_, low) in spectra.items()}
     top2 = {name: statistics.fmean(top2_by_seed[name, seed] for seed in seeds) for name in SPECTRA_MODELS}
     low_bins = {name: statistics.fmean(low_bins_by_seed[name, seed] for seed in seeds) for name in SPECTRA_MODELS}
     over = f"mean of {len(seeds)} seeds" if len(seeds) > 1 else "one seed"
