@@ -4,25 +4,41 @@
 #     OUT=gpu-checks bash scripts/gpu_checks.sh
 #
 # Runs with the machine's own python3 (it must hold a CUDA torch, triton, transformers, numba, scipy,
-# pytest, hypothesis): poslab is imported from src/, nothing is installed or fetched. Each step's output goes
-# to $OUT/<step>.txt; a failing step does not stop the later ones, and the exit code counts the failures.
-# About 5-8 minutes on an H100/H200 (the kernel benchmark dominates).
+# pytest, hypothesis): poslab is imported from src/, nothing is installed or fetched. Each step appends its
+# output to one of at most seven files in $OUT (a device session brings back eight) and has its own time
+# limit; a failing step does not stop the later ones, and the exit code counts the failures. About 6-8
+# minutes on an H100/H200.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-checks}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 failed=0
-step() {  # step NAME COMMAND...: run it, keep its output, count a failure
-    local name=$1; shift
-    echo "== $name: $*"
-    "$@" 2>&1 | tee "$OUT/$name.txt" || failed=$((failed + 1))
+step() {  # step FILE SECONDS COMMAND...: run it under a time limit, append its output to $OUT/FILE
+    local file=$1 limit=$2; shift 2
+    echo "== $* (limit ${limit}s)" | tee -a "$OUT/$file"
+    local start=$SECONDS
+    timeout "$limit" "$@" 2>&1 | tee -a "$OUT/$file"
+    local rc=${PIPESTATUS[0]}
+    [ "$rc" = 0 ] || failed=$((failed + 1))
+    echo "== exit $rc after $((SECONDS - start))s" | tee -a "$OUT/$file"
 }
-step gpu nvidia-smi
-step kernel_tests python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_pope.py -k "cuda or triton"
-step pope_kernel python3 benchmarks/pope_kernel.py
+step gpu.txt 20 nvidia-smi
+step gpu.txt 20 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+step tests.txt 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_pope.py -k "cuda or triton"
+step kernel.txt 150 python3 benchmarks/pope_kernel.py
+step train_step.txt 90 python3 benchmarks/pope_train_step.py
+step kernel.txt 60 python3 benchmarks/pope_kernel.py --bidirectional --n 4096 16384
+# A short stretch of the paper-scale indirect-indexing recipe's own runs, through torchrun (NCCL, DDP):
+# the engine's GPU path end to end, and the step time that sizes a full paper run.
+python3 -c "import yaml; from poslab.experiments.indirect_indexing import SCALES, run_config
+for s in ('pope', 'rope'): yaml.safe_dump(run_config(SCALES['paper'], s, 0), open(f'/tmp/ii_{s}.yaml', 'w'))"
+for scheme in pope rope; do
+    step train.txt 90 torchrun --nproc_per_node 1 -m poslab train "/tmp/ii_$scheme.yaml" --out "/tmp/ii_$scheme" \
+        --overwrite --set train.steps=1000 --set train.warmup_steps=100 --set train.log_every=500
+done
 # The run directory stays outside $OUT: only a few files come back from a device session.
-step smoke python3 -m poslab reproduce all --scale smoke --out /tmp/poslab-smoke --jobs 1 --force
+step smoke.txt 120 python3 -m poslab reproduce all --scale smoke --out /tmp/poslab-smoke --jobs 1 --force
 cp /tmp/poslab-smoke/report.md "$OUT/smoke_report.md" 2>/dev/null || failed=$((failed + 1))
 echo "$failed step(s) failed"
 exit "$failed"

@@ -126,9 +126,41 @@ def test_long_positions_keep_phase_precision():
     torch.testing.assert_close(got.double(), ref, rtol=0.05, atol=0.05)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here, so the triton backend runs")
 def test_forced_triton_backend_without_cuda_is_a_clear_error():
     from poslab.errors import ConfigError
 
     model = pope_model("triton")
     with pytest.raises(ConfigError, match="attn_backend 'triton' needs a CUDA GPU"):
         model(torch.randint(0, 40, (1, 8)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the kernel's own tests cover CPU)")
+@pytest.mark.parametrize("precision,tol", [("fp32", 1e-4), ("bf16", 3e-2)])
+def test_cuda_auto_backend_runs_the_fused_kernel_like_sdpa(monkeypatch, precision, tol):
+    """On CUDA "auto" takes the fused kernel (padded batch included); its logits at real tokens and every
+    parameter's gradient equal the SDPA path's, in fp32 and under bf16 autocast as the trainer runs."""
+    pytest.importorskip("triton")
+    import poslab.kernels.pope_flash as flash
+
+    calls = []
+    kernel = flash.pope_flash_attention
+    monkeypatch.setattr(flash, "pope_flash_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    x = torch.randint(0, 40, (3, 21), device="cuda")
+    mask = (torch.arange(21, device="cuda")[None] < torch.tensor([[21], [15], [9]], device="cuda")).long()
+    labels = x.masked_fill(mask == 0, -100)
+    results = []
+    for backend in ("auto", "sdpa"):
+        model = pope_model(backend).cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            out = model(x, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        grads = {name: p.grad.float() for name, p in model.named_parameters() if p.grad is not None}
+        results.append((out.logits.float()[mask.bool()], grads))
+    assert len(calls) == 2  # one per layer, in the auto model only
+    (fused_logits, fused_grads), (sdpa_logits, sdpa_grads) = results
+    torch.testing.assert_close(fused_logits, sdpa_logits, rtol=tol, atol=tol)
+    assert fused_grads.keys() == sdpa_grads.keys()
+    for name, grad in sdpa_grads.items():
+        error = (fused_grads[name] - grad).norm() / grad.norm().clamp_min(1e-12)
+        assert error < tol, f"{name}: relative gradient error {error:.2e}"
