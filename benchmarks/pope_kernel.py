@@ -14,11 +14,13 @@ memory <= 1.1x rope, faster than pope2d. Without CUDA (or Triton) it prints one 
 
     python benchmarks/pope_kernel.py [--n 1024 2048 4096 8192 16384] [--head-dims 64 128]
                                      [--tokens 16384] [--d-model 2048] [--bidirectional]
+                                     [--configs FILE (launch configurations from pope_kernel_configs.py)]
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import math
 
 import torch
@@ -56,6 +58,15 @@ def pope2d_attention(q, k, v, delta, causal):
     return out[..., :d]
 
 
+def use_configs(chosen: dict[str, tuple]) -> None:
+    """Make the kernels launch with ``chosen[kernel]`` where given (the module's defaults elsewhere)."""
+    import poslab.kernels.pope_flash as module
+
+    default = getattr(module, "_default_launch_config", module._launch_config)
+    module._default_launch_config = default
+    module._launch_config = lambda kernel, d: tuple(chosen[kernel]) if kernel in chosen else default(kernel, d)
+
+
 def measure(fn, leaves, do):
     """(forward ms, forward+backward ms, peak MiB of one forward+backward above what is allocated now)."""
     from triton.testing import do_bench
@@ -77,6 +88,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=16384, help="batch * n, kept fixed across n")
     parser.add_argument("--d-model", type=int, default=2048, help="heads = d_model / head dim")
     parser.add_argument("--bidirectional", action="store_true", help="no causal mask")
+    parser.add_argument("--configs", help="JSON of launch configurations per head dim (pope_kernel_configs.py --out)")
     args = parser.parse_args()
     if not torch.cuda.is_available() or not triton_available():
         print(f"pope_kernel benchmark: no CUDA device with Triton here (torch {torch.__version__}); nothing measured")
@@ -92,7 +104,12 @@ def main() -> int:
     print(f"{'d':>4} {'n':>6} {'b':>3} {'h':>3} | fwd ms rope/pope2d/fused | fwd+bwd ms rope/pope2d/fused | "
           f"TFLOP/s fwd+bwd rope/pope2d/fused | peak MiB rope/pope2d/fused | fused/rope t, mem | fused/pope2d t | "
           f"max|fused-pope2d|")
+    configs = json.load(open(args.configs)) if args.configs else {}
+    if configs:
+        print(f"# launch configurations: {configs}")
     for d in args.head_dims:
+        if str(d) in configs:
+            use_configs(configs[str(d)])
         for n in args.n:
             b, h = max(1, args.tokens // n), args.d_model // d
             gen = torch.Generator(device=dev).manual_seed(0)

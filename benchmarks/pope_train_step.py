@@ -14,17 +14,20 @@ Without CUDA it prints one line and exits 0.
 
     python benchmarks/pope_train_step.py [--seq-len 1024 4096] [--tokens 16384] [--d-model 768]
                                          [--layers 12] [--heads 12] [--rounds 5] [--steps 5]
+                                         [--configs FILE (launch configurations from pope_kernel_configs.py)]
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import statistics
 import time
 
 import torch
 
 import poslab
+from pope_kernel import use_configs  # benchmarks/ is the script's directory
 
 MODELS = {"rope": ("rope", "sdpa"), "pope-sdpa": ("pope", "sdpa"), "pope-fused": ("pope", "triton")}
 
@@ -47,10 +50,16 @@ def main() -> int:
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per model per round")
+    parser.add_argument("--configs", help="JSON of launch configurations per head dim (pope_kernel_configs.py --out)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print(f"pope_train_step benchmark: no CUDA device here (torch {torch.__version__}); nothing measured")
         return 0
+    head_dim = str(args.d_model // args.heads)
+    configs = json.load(open(args.configs)).get(head_dim, {}) if args.configs else {}
+    if configs:
+        use_configs(configs)
+    print(f"# launch configurations: {configs or 'defaults'}")
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {datetime.date.today()}, "
           f"{args.layers} x {args.d_model}, {args.heads} heads, {args.tokens} tokens/step, bf16 autocast")
     print(f"{'n':>6} {'b':>3} {'model':>10} | {'ms/step':>8} {'tok/s':>9} {'peak MiB':>9} | vs rope: time, mem")

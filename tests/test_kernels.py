@@ -262,7 +262,7 @@ def test_kernels_compile_for_hopper_without_a_gpu(monkeypatch, kernel, d, dtype)
     block_m, block_n, warps, stages = module._launch_config(kernel, d)
     constants = dict(D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=True, HAS_DELTA=True,
                      PRECISION="ieee" if dtype == "fp32" else "tf32")
-    kinds.update({name: f"*{dtype}" for name in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")})
+    kinds.update({name: f"*{dtype}" for name in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "MQ", "MK")})
     signature = {name: "constexpr" if name in constants else kinds.get(name, "i32") for name in fn.arg_names}
     compiled = triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": warps, "num_stages": stages})

@@ -49,8 +49,8 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 @triton.jit
 def _sincos_turns(r):
     """cos(2 pi r), sin(2 pi r) for fp32 r: quadrant reduction, then Cephes' sinf/cosf polynomials on
-    [-pi/4, pi/4] (~1e-7 absolute). Plain FMAs: the special-function units are busy with the softmax's
-    exp2, and libdevice's sinf/cosf inline a large-argument path per element that costs registers."""
+    [-pi/4, pi/4] (~1e-7 absolute). Plain FMAs: libdevice's sinf/cosf inline a large-argument path per
+    element that costs registers, and the special-function units are busy with the softmax's exp2."""
     k = tl.floor(4.0 * r + 0.5)
     x = (r - 0.25 * k) * 6.283185307179586
     z = x * x
@@ -66,25 +66,29 @@ def _sincos_turns(r):
 
 
 @triton.jit
-def _polar(x, j, p0, turns, turns_hi, turns_lo, bias_turns):
-    """mu = softplus(x) and cos/sin of the phases (p0 + j) theta_c + bias_c, all fp32, shaped like x.
-
-    x is a raw q or k tile, row-major (n, d) or transposed (d, n); j (the row within the tile, int) and
-    the per-component vectors broadcast against it. Phases are kept in turns (theta / 2 pi): the tile's
-    base p0 theta_c, where the large numbers live, is reduced in fp64 on a d-vector; per element,
-    j * turns_hi is exact in fp32 (turns_hi has 16 significant bits, j < 256) and turns_lo is tiny, so the
-    phase error stays ~1e-7 turns at any position below 2^30.
-    """
-    x = x.to(tl.float32)
-    # log1p(e^-|x|) through exp2/log2 never overflows; fp32 rounding error below 1e-7 absolute
-    mu = tl.maximum(x, 0.0) + 0.6931471805599453 * tl.log2(1.0 + tl.exp2(-1.4426950408889634 * tl.abs(x)))
-    base = p0.to(tl.float64) * turns
-    base = (base - tl.floor(base + 0.5)).to(tl.float32) + bias_turns
+def _row_phases(j, turns_hi, turns_lo):
+    """cos, sin of j theta_c for the rows j < 256 of a tile, fp32, shaped like j broadcast against the
+    turns. turns_hi has 16 significant bits, so j * turns_hi is exact in fp32 and turns_lo is tiny: the
+    phase error stays ~1e-7 turns. The same for every tile, so kernels compute it once, before their loop."""
     jf = j.to(tl.float32)
     local = jf * turns_hi
-    rev = (local - tl.floor(local + 0.5)) + base + jf * turns_lo
-    c, s = _sincos_turns(rev)
-    return mu, c, s
+    return _sincos_turns((local - tl.floor(local + 0.5)) + jf * turns_lo)
+
+
+@triton.jit
+def _start_phases(p0, turns, bias_turns):
+    """cos, sin of p0 theta_c + bias_c, a d-vector, for the tile whose first row sits at position p0.
+    The large product (1e6 rad at p0 = 1e6, where an fp32 product is off by 0.03 rad) is reduced modulo
+    one turn in fp64, once per tile; positions below 2^30 keep ~1e-7 turns."""
+    base = p0.to(tl.float64) * turns
+    return _sincos_turns((base - tl.floor(base + 0.5)).to(tl.float32) + bias_turns)
+
+
+@triton.jit
+def _add_angles(c_row, s_row, c_start, s_start):
+    """cos, sin of (row + start) phases: the angle-addition formula, four FMAs per element in place of
+    a sine and a cosine."""
+    return c_row * c_start - s_row * s_start, s_row * c_start + c_row * s_start
 
 
 @triton.jit
@@ -123,25 +127,26 @@ def _query_range(start_n, q_start, k_start, k_len, q_len, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, qx, qy, K_base, V_base, skn, svn, turns, turns_hi, turns_lo, bias, t_pos, k_start,
-               k_len, lo, hi, D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+def _fwd_inner(acc, l_i, m_i, qx, qy, MK_base, V_base, svn, c_row, s_row, turns, bias, t_pos, k_start, k_len, lo,
+               hi, D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                PRECISION: tl.constexpr):
     offs_d = tl.arange(0, D)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kT_ptrs = K_base + offs_n[None, :] * skn + offs_d[:, None]
+        muT_ptrs = MK_base + offs_n[None, :] * D + offs_d[:, None]
         v_ptrs = V_base + offs_n[:, None] * svn + offs_d[None, :]
         if MASKED:
             key_in = offs_n < k_len
-            kT = tl.load(kT_ptrs, mask=key_in[None, :], other=0.0)
+            muT = tl.load(muT_ptrs, mask=key_in[None, :], other=0.0)
             v = tl.load(v_ptrs, mask=key_in[:, None], other=0.0)
         else:
-            kT = tl.load(kT_ptrs)
+            muT = tl.load(muT_ptrs)
             v = tl.load(v_ptrs)
-        mu, c, s = _polar(kT, tl.arange(0, BLOCK_N)[None, :], k_start + start_n, turns[:, None], turns_hi[:, None],
-                          turns_lo[:, None], bias[:, None])
-        z = tl.dot(qx, (mu * c).to(kT.dtype), input_precision=PRECISION)
-        z = tl.dot(qy, (mu * s).to(kT.dtype), z, input_precision=PRECISION)  # (M, N), log2 units
+        c0, s0 = _start_phases(k_start + start_n, turns, bias)
+        c, s = _add_angles(c_row, s_row, c0[:, None], s0[:, None])
+        mu = muT.to(tl.float32)
+        z = tl.dot(qx, (mu * c).to(muT.dtype), input_precision=PRECISION)
+        z = tl.dot(qy, (mu * s).to(muT.dtype), z, input_precision=PRECISION)  # (M, N), log2 units
         if MASKED:
             ok = key_in[None, :]
             if CAUSAL:
@@ -161,11 +166,11 @@ def _fwd_inner(acc, l_i, m_i, qx, qy, K_base, V_base, skn, svn, turns, turns_hi,
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, TURNS, TURNS32, DELTA, QSTART, KSTART, KLEN, QLEN,
-                sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
-                H, NQ, qk_scale,
+def _fwd_kernel(MQ, MK, V, O, LSE, TURNS, TURNS32, DELTA, QSTART, KSTART, KLEN, QLEN,
+                svb, svh, svn, sob, soh, son, H, NQ, NK, qk_scale,
                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                 HAS_DELTA: tl.constexpr, PRECISION: tl.constexpr):
+    """One query tile. MQ, MK: softplus(q), softplus(k), contiguous (batch, heads, n, D)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -186,23 +191,27 @@ def _fwd_kernel(Q, K, V, O, LSE, TURNS, TURNS32, DELTA, QSTART, KSTART, KLEN, QL
     else:
         bias = tl.zeros([D], dtype=tl.float32)
 
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], mask=row_in[:, None], other=0.0)
+    mu = tl.load(MQ + pid_bh.to(tl.int64) * NQ * D + offs_m[:, None] * D + offs_d[None, :], mask=row_in[:, None],
+                 other=0.0)
     t_pos = q_start + offs_m
-    mu, c, s = _polar(q, tl.arange(0, BLOCK_M)[:, None], start_m + q_start, turns[None, :], turns_hi[None, :],
-                      turns_lo[None, :], 0.0)
-    qx = (mu * c * qk_scale).to(q.dtype)  # scale * log2(e) folded in: the softmax runs on exp2
-    qy = (mu * s * qk_scale).to(q.dtype)
+    c_row, s_row = _row_phases(tl.arange(0, BLOCK_M)[:, None], turns_hi[None, :], turns_lo[None, :])
+    c0, s0 = _start_phases(start_m + q_start, turns, 0.0)
+    c, s = _add_angles(c_row, s_row, c0[None, :], s0[None, :])
+    mu_f = mu.to(tl.float32) * qk_scale  # scale * log2(e) folded in: the softmax runs on exp2
+    qx = (mu_f * c).to(mu.dtype)
+    qy = (mu_f * s).to(mu.dtype)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    K_base = K + b * skb + h * skh
+    MK_base = MK + pid_bh.to(tl.int64) * NK * D
     V_base = V + b * svb + h * svh
+    c_row, s_row = _row_phases(tl.arange(0, BLOCK_N)[None, :], turns_hi[:, None], turns_lo[:, None])  # keys, (D, N)
     full, hi = _key_range(start_m, q_start, k_start, k_len, q_len, BLOCK_M, BLOCK_N, CAUSAL)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, qx, qy, K_base, V_base, skn, svn, turns, turns_hi, turns_lo, bias,
-                               t_pos, k_start, k_len, 0, full, D, BLOCK_N, CAUSAL, False, PRECISION)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, qx, qy, K_base, V_base, skn, svn, turns, turns_hi, turns_lo, bias,
-                               t_pos, k_start, k_len, full, hi, D, BLOCK_N, CAUSAL, True, PRECISION)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, qx, qy, MK_base, V_base, svn, c_row, s_row, turns, bias, t_pos,
+                               k_start, k_len, 0, full, D, BLOCK_N, CAUSAL, False, PRECISION)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, qx, qy, MK_base, V_base, svn, c_row, s_row, turns, bias, t_pos,
+                               k_start, k_len, full, hi, D, BLOCK_N, CAUSAL, True, PRECISION)
 
     live = (offs_m < q_len) & (l_i > 0.0)
     l_safe = tl.where(live, l_i, 1.0)
@@ -215,25 +224,26 @@ def _fwd_kernel(Q, K, V, O, LSE, TURNS, TURNS32, DELTA, QSTART, KSTART, KLEN, QL
 
 
 @triton.jit
-def _dq_inner(dqx, dqy, qx, qy, do, lse, dsum, K_base, V_base, skn, svn, turns, turns_hi, turns_lo, bias,
-              t_pos, k_start, k_len, lo, hi, D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-              MASKED: tl.constexpr, PRECISION: tl.constexpr):
+def _dq_inner(dqx, dqy, qx, qy, do, lse, dsum, MK_base, V_base, svn, c_row, s_row, turns, bias, t_pos, k_start,
+              k_len, lo, hi, D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+              PRECISION: tl.constexpr):
     offs_d = tl.arange(0, D)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kT_ptrs = K_base + offs_n[None, :] * skn + offs_d[:, None]
+        muT_ptrs = MK_base + offs_n[None, :] * D + offs_d[:, None]
         vT_ptrs = V_base + offs_n[None, :] * svn + offs_d[:, None]
         if MASKED:
             key_in = offs_n < k_len
-            kT = tl.load(kT_ptrs, mask=key_in[None, :], other=0.0)
+            muT = tl.load(muT_ptrs, mask=key_in[None, :], other=0.0)
             vT = tl.load(vT_ptrs, mask=key_in[None, :], other=0.0)
         else:
-            kT = tl.load(kT_ptrs)
+            muT = tl.load(muT_ptrs)
             vT = tl.load(vT_ptrs)
-        mu, c, s = _polar(kT, tl.arange(0, BLOCK_N)[None, :], k_start + start_n, turns[:, None], turns_hi[:, None],
-                          turns_lo[:, None], bias[:, None])
-        kxT = (mu * c).to(kT.dtype)
-        kyT = (mu * s).to(kT.dtype)
+        c0, s0 = _start_phases(k_start + start_n, turns, bias)
+        c, s = _add_angles(c_row, s_row, c0[:, None], s0[:, None])
+        mu = muT.to(tl.float32)
+        kxT = (mu * c).to(muT.dtype)
+        kyT = (mu * s).to(muT.dtype)
         z = tl.dot(qx, kxT, input_precision=PRECISION)
         z = tl.dot(qy, kyT, z, input_precision=PRECISION)
         p = tl.exp2(z - lse[:, None])
@@ -243,16 +253,16 @@ def _dq_inner(dqx, dqy, qx, qy, do, lse, dsum, K_base, V_base, skn, svn, turns, 
                 ok = ok & ((k_start + offs_n)[None, :] <= t_pos[:, None])
             p = tl.where(ok, p, 0.0)
         dp = tl.dot(do, vT, input_precision=PRECISION)
-        ds = (p * (dp - dsum[:, None])).to(kT.dtype)  # d loss / d logit
+        ds = (p * (dp - dsum[:, None])).to(muT.dtype)  # d loss / d logit
         dqx = tl.dot(ds, tl.trans(kxT), dqx, input_precision=PRECISION)
         dqy = tl.dot(ds, tl.trans(kyT), dqy, input_precision=PRECISION)
     return dqx, dqy
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DSUM, TURNS, TURNS32, DELTA, QSTART, KSTART, KLEN, QLEN,
-                   sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob, sdoh, sdon,
-                   sdqb, sdqh, sdqn, H, NQ, qk_scale, scale,
+def _bwd_dq_kernel(Q, MQ, MK, V, O, DO, DQ, LSE, DSUM, TURNS, TURNS32, DELTA, QSTART, KSTART, KLEN, QLEN,
+                   sqb, sqh, sqn, svb, svh, svn, sob, soh, son, sdob, sdoh, sdon,
+                   sdqb, sdqh, sdqn, H, NQ, NK, qk_scale, scale,
                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                    HAS_DELTA: tl.constexpr, PRECISION: tl.constexpr):
     """dq for one query tile; also stores dsum = rowsum(dO * O), which the dk/dv kernel reads next."""
@@ -276,8 +286,8 @@ def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DSUM, TURNS, TURNS32, DELTA, QSTART,
     else:
         bias = tl.zeros([D], dtype=tl.float32)
 
-    q_ptrs = Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=row_in[:, None], other=0.0)
+    mu_ptrs = MQ + pid_bh.to(tl.int64) * NQ * D + offs_m[:, None] * D + offs_d[None, :]
+    mu = tl.load(mu_ptrs, mask=row_in[:, None], other=0.0)
     do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdon + offs_d[None, :], mask=row_in[:, None],
                  other=0.0)
     o = tl.load(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :], mask=row_in[:, None], other=0.0)
@@ -286,56 +296,59 @@ def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DSUM, TURNS, TURNS32, DELTA, QSTART,
     lse = tl.load(LSE + pid_bh * NQ + offs_m, mask=row_in, other=float("inf"))
 
     t_pos = q_start + offs_m
-    mu, c, s = _polar(q, tl.arange(0, BLOCK_M)[:, None], start_m + q_start, turns[None, :], turns_hi[None, :],
-                      turns_lo[None, :], 0.0)
-    qx = (mu * c * qk_scale).to(q.dtype)
-    qy = (mu * s * qk_scale).to(q.dtype)
+    c_row, s_row = _row_phases(tl.arange(0, BLOCK_M)[:, None], turns_hi[None, :], turns_lo[None, :])
+    c0, s0 = _start_phases(start_m + q_start, turns, 0.0)
+    c, s = _add_angles(c_row, s_row, c0[None, :], s0[None, :])
+    mu_f = mu.to(tl.float32) * qk_scale
+    qx = (mu_f * c).to(mu.dtype)
+    qy = (mu_f * s).to(mu.dtype)
     dqx = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     dqy = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    K_base = K + b * skb + h * skh
+    MK_base = MK + pid_bh.to(tl.int64) * NK * D
     V_base = V + b * svb + h * svh
+    c_row, s_row = _row_phases(tl.arange(0, BLOCK_N)[None, :], turns_hi[:, None], turns_lo[:, None])  # keys, (D, N)
     full, hi = _key_range(start_m, q_start, k_start, k_len, q_len, BLOCK_M, BLOCK_N, CAUSAL)
-    dqx, dqy = _dq_inner(dqx, dqy, qx, qy, do, lse, dsum, K_base, V_base, skn, svn, turns, turns_hi, turns_lo, bias,
-                         t_pos, k_start, k_len, 0, full, D, BLOCK_N, CAUSAL, False, PRECISION)
-    dqx, dqy = _dq_inner(dqx, dqy, qx, qy, do, lse, dsum, K_base, V_base, skn, svn, turns, turns_hi, turns_lo, bias,
-                         t_pos, k_start, k_len, full, hi, D, BLOCK_N, CAUSAL, True, PRECISION)
+    dqx, dqy = _dq_inner(dqx, dqy, qx, qy, do, lse, dsum, MK_base, V_base, svn, c_row, s_row, turns, bias, t_pos,
+                         k_start, k_len, 0, full, D, BLOCK_N, CAUSAL, False, PRECISION)
+    dqx, dqy = _dq_inner(dqx, dqy, qx, qy, do, lse, dsum, MK_base, V_base, svn, c_row, s_row, turns, bias, t_pos,
+                         k_start, k_len, full, hi, D, BLOCK_N, CAUSAL, True, PRECISION)
 
-    # back through q~ = mu [cos, sin] (the logit is scale * q~ . k~) and mu = softplus(q). Reloading q
-    # and recomputing cos/sin here is cheaper than keeping three fp32 tiles alive through the loop.
-    q = tl.load(q_ptrs, mask=row_in[:, None], other=0.0)
-    mu, c, s = _polar(q, tl.arange(0, BLOCK_M)[:, None], start_m + q_start, turns[None, :], turns_hi[None, :],
-                      turns_lo[None, :], 0.0)
-    dmu = (dqx * c + dqy * s) * scale
-    dq = dmu * tl.sigmoid(q.to(tl.float32))
+    # back through q~ = mu [cos, sin] (the logit is scale * q~ . k~) and mu = softplus(q). Recomputing
+    # cos/sin here is cheaper than keeping two fp32 tiles alive through the loop.
+    c_row, s_row = _row_phases(tl.arange(0, BLOCK_M)[:, None], turns_hi[None, :], turns_lo[None, :])
+    c, s = _add_angles(c_row, s_row, c0[None, :], s0[None, :])
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], mask=row_in[:, None], other=0.0)
+    dq = (dqx * c + dqy * s) * scale * tl.sigmoid(q.to(tl.float32))
     tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqn + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              mask=row_in[:, None])
 
 
 @triton.jit
-def _dkdv_inner(dv, dkx, dky, kx, ky, v, Q_base, DO_base, LSE_base, DSUM_base, sqn, sdon, turns, turns_hi, turns_lo,
+def _dkdv_inner(dv, dkx, dky, kx, ky, v, MQ_base, DO_base, LSE_base, DSUM_base, sdon, c_row, s_row, turns,
                 offs_n, q_start, k_start, k_len, NQ, qk_scale, lo, hi,
                 D: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                 PRECISION: tl.constexpr):
     offs_d = tl.arange(0, D)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        qT_ptrs = Q_base + offs_m[None, :] * sqn + offs_d[:, None]
+        muT_ptrs = MQ_base + offs_m[None, :] * D + offs_d[:, None]
         do_ptrs = DO_base + offs_m[:, None] * sdon + offs_d[None, :]
         if MASKED:
             row_in = offs_m < NQ
-            qT = tl.load(qT_ptrs, mask=row_in[None, :], other=0.0)
+            muT = tl.load(muT_ptrs, mask=row_in[None, :], other=0.0)
             do = tl.load(do_ptrs, mask=row_in[:, None], other=0.0)
             lse = tl.load(LSE_base + offs_m, mask=row_in, other=float("inf"))
             dsum = tl.load(DSUM_base + offs_m, mask=row_in, other=0.0)
         else:
-            qT = tl.load(qT_ptrs)
+            muT = tl.load(muT_ptrs)
             do = tl.load(do_ptrs)
             lse = tl.load(LSE_base + offs_m)
             dsum = tl.load(DSUM_base + offs_m)
-        mu, c, s = _polar(qT, tl.arange(0, BLOCK_M)[None, :], q_start + start_m, turns[:, None], turns_hi[:, None],
-                          turns_lo[:, None], 0.0)
-        qxT = (mu * c * qk_scale).to(qT.dtype)
-        qyT = (mu * s * qk_scale).to(qT.dtype)
+        c0, s0 = _start_phases(q_start + start_m, turns, 0.0)
+        c, s = _add_angles(c_row, s_row, c0[:, None], s0[:, None])
+        mu = muT.to(tl.float32) * qk_scale
+        qxT = (mu * c).to(muT.dtype)
+        qyT = (mu * s).to(muT.dtype)
         zT = tl.dot(kx, qxT, input_precision=PRECISION)
         zT = tl.dot(ky, qyT, zT, input_precision=PRECISION)  # (N, M)
         pT = tl.exp2(zT - lse[None, :])
@@ -346,15 +359,15 @@ def _dkdv_inner(dv, dkx, dky, kx, ky, v, Q_base, DO_base, LSE_base, DSUM_base, s
             pT = tl.where(ok, pT, 0.0)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
         dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        dsT = (pT * (dpT - dsum[None, :])).to(qT.dtype)
+        dsT = (pT * (dpT - dsum[None, :])).to(muT.dtype)
         dkx = tl.dot(dsT, tl.trans(qxT), dkx, input_precision=PRECISION)
         dky = tl.dot(dsT, tl.trans(qyT), dky, input_precision=PRECISION)
     return dv, dkx, dky
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DDELTA, LSE, DSUM, TURNS, TURNS32, DELTA, QSTART, KSTART, KLEN, QLEN,
-                     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
+def _bwd_dkdv_kernel(K, MQ, MK, V, DO, DK, DV, DDELTA, LSE, DSUM, TURNS, TURNS32, DELTA, QSTART, KSTART, KLEN, QLEN,
+                     skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
                      sdkb, sdkh, sdkn, sdvb, sdvh, sdvn, H, NQ, NK, qk_scale,
                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                      HAS_DELTA: tl.constexpr, PRECISION: tl.constexpr):
@@ -379,45 +392,49 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DDELTA, LSE, DSUM, TURNS, TURNS32, DEL
     else:
         bias = tl.zeros([D], dtype=tl.float32)
 
-    k_ptrs = K + b * skb + h * skh + offs_n[:, None] * skn + offs_d[None, :]
-    k = tl.load(k_ptrs, mask=key_in[:, None], other=0.0)
+    mu_ptrs = MK + pid_bh.to(tl.int64) * NK * D + offs_n[:, None] * D + offs_d[None, :]
+    mu = tl.load(mu_ptrs, mask=key_in[:, None], other=0.0)
     v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svn + offs_d[None, :], mask=key_in[:, None], other=0.0)
-    mu, c, s = _polar(k, tl.arange(0, BLOCK_N)[:, None], k_start + start_n, turns[None, :], turns_hi[None, :],
-                      turns_lo[None, :], bias[None, :])
-    kx = (mu * c).to(k.dtype)
-    ky = (mu * s).to(k.dtype)
+    c_row, s_row = _row_phases(tl.arange(0, BLOCK_N)[:, None], turns_hi[None, :], turns_lo[None, :])
+    c0, s0 = _start_phases(k_start + start_n, turns, bias)
+    c, s = _add_angles(c_row, s_row, c0[None, :], s0[None, :])
+    mu_f = mu.to(tl.float32)
+    kx = (mu_f * c).to(mu.dtype)
+    ky = (mu_f * s).to(mu.dtype)
     dv = tl.zeros([BLOCK_N, D], dtype=tl.float32)
     dkx = tl.zeros([BLOCK_N, D], dtype=tl.float32)
     dky = tl.zeros([BLOCK_N, D], dtype=tl.float32)
 
-    Q_base = Q + b * sqb + h * sqh
+    MQ_base = MQ + pid_bh.to(tl.int64) * NQ * D
     DO_base = DO + b * sdob + h * sdoh
     LSE_base = LSE + pid_bh * NQ
     DSUM_base = DSUM + pid_bh * NQ
+    c_row, s_row = _row_phases(tl.arange(0, BLOCK_M)[None, :], turns_hi[:, None], turns_lo[:, None])  # queries, (D, M)
     lo, mid, full, hi = _query_range(start_n, q_start, k_start, k_len, q_len, BLOCK_M, BLOCK_N, CAUSAL)
-    dv, dkx, dky = _dkdv_inner(dv, dkx, dky, kx, ky, v, Q_base, DO_base, LSE_base, DSUM_base, sqn, sdon, turns,
-                               turns_hi, turns_lo, offs_n, q_start, k_start, k_len, NQ, qk_scale, lo, mid,
+    dv, dkx, dky = _dkdv_inner(dv, dkx, dky, kx, ky, v, MQ_base, DO_base, LSE_base, DSUM_base, sdon, c_row, s_row,
+                               turns, offs_n, q_start, k_start, k_len, NQ, qk_scale, lo, mid,
                                D, BLOCK_M, CAUSAL, True, PRECISION)
-    dv, dkx, dky = _dkdv_inner(dv, dkx, dky, kx, ky, v, Q_base, DO_base, LSE_base, DSUM_base, sqn, sdon, turns,
-                               turns_hi, turns_lo, offs_n, q_start, k_start, k_len, NQ, qk_scale, mid, full,
+    dv, dkx, dky = _dkdv_inner(dv, dkx, dky, kx, ky, v, MQ_base, DO_base, LSE_base, DSUM_base, sdon, c_row, s_row,
+                               turns, offs_n, q_start, k_start, k_len, NQ, qk_scale, mid, full,
                                D, BLOCK_M, CAUSAL, False, PRECISION)
-    dv, dkx, dky = _dkdv_inner(dv, dkx, dky, kx, ky, v, Q_base, DO_base, LSE_base, DSUM_base, sqn, sdon, turns,
-                               turns_hi, turns_lo, offs_n, q_start, k_start, k_len, NQ, qk_scale, full, hi,
+    dv, dkx, dky = _dkdv_inner(dv, dkx, dky, kx, ky, v, MQ_base, DO_base, LSE_base, DSUM_base, sdon, c_row, s_row,
+                               turns, offs_n, q_start, k_start, k_len, NQ, qk_scale, full, hi,
                                D, BLOCK_M, CAUSAL, True, PRECISION)
 
-    # q~ carried scale * log2(e); d k~ needs scale alone. k and its polar form are reloaded and
-    # recomputed rather than kept alive through the loop (registers).
-    k = tl.load(k_ptrs, mask=key_in[:, None], other=0.0)
-    mu, c, s = _polar(k, tl.arange(0, BLOCK_N)[:, None], k_start + start_n, turns[None, :], turns_hi[None, :],
-                      turns_lo[None, :], bias[None, :])
+    # q~ carried scale * log2(e); d k~ needs scale alone. The keys' cos/sin and magnitudes are recomputed
+    # and reloaded rather than kept alive through the loop (registers).
+    c_row, s_row = _row_phases(tl.arange(0, BLOCK_N)[:, None], turns_hi[None, :], turns_lo[None, :])
+    c, s = _add_angles(c_row, s_row, c0[None, :], s0[None, :])
     dkx = dkx * 0.6931471805599453
     dky = dky * 0.6931471805599453
+    k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skn + offs_d[None, :], mask=key_in[:, None], other=0.0)
     dk = (dkx * c + dky * s) * tl.sigmoid(k.to(tl.float32))
     tl.store(DK + b * sdkb + h * sdkh + offs_n[:, None] * sdkn + offs_d[None, :], dk.to(DK.dtype.element_ty),
              mask=key_in[:, None])
     tl.store(DV + b * sdvb + h * sdvh + offs_n[:, None] * sdvn + offs_d[None, :], dv.to(DV.dtype.element_ty),
              mask=key_in[:, None])
     if HAS_DELTA:
+        mu = tl.load(mu_ptrs, mask=key_in[:, None], other=0.0).to(tl.float32)
         dphase = mu * (dky * c - dkx * s)  # zero on keys outside the tile: their dkx, dky are zero
         tl.store(DDELTA + (pid_bh * tl.num_programs(0) + pid_n) * D + offs_d, tl.sum(dphase, 0))
 
@@ -450,10 +467,18 @@ def _turns(d: int, base: float, device: torch.device) -> tuple[torch.Tensor, tor
     return turns, torch.stack([hi, (turns - hi.double()).float()])
 
 
+def _magnitudes(x: torch.Tensor) -> torch.Tensor:
+    """softplus(x) as a contiguous (batch, heads, n, d) tensor in x's dtype: the kernels read magnitudes,
+    d wide like x, instead of recomputing a softplus (two special-function-unit ops) per element of every
+    tile they visit. Transient: the backward pass recomputes it from the saved x."""
+    return torch.nn.functional.softplus(x).contiguous()
+
+
 class _PopeFlash(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, delta, turns, turns32, q_start, k_start, k_len, q_len, causal, scale):
         b, h, nq, d = q.shape
+        nk = k.shape[2]
         o = torch.empty_like(q)
         lse = torch.empty((b, h, nq), device=q.device, dtype=torch.float32)
         has_delta = delta is not None
@@ -462,9 +487,8 @@ class _PopeFlash(torch.autograd.Function):
         precision = "ieee" if q.dtype == torch.float32 else "tf32"
         bm, bn, warps, stages = _launch_config("fwd", d)
         _fwd_kernel[(triton.cdiv(nq, bm), b * h)](
-            q, k, v, o, lse, turns, turns32, bias, q_start, k_start, k_len, q_len,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-            h, nq, scale * LOG2E,
+            _magnitudes(q), _magnitudes(k), v, o, lse, turns, turns32, bias, q_start, k_start, k_len, q_len,
+            *v.stride()[:3], *o.stride()[:3], h, nq, nk, scale * LOG2E,
             D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_DELTA=has_delta, PRECISION=precision,
             num_warps=warps, num_stages=stages,
         )
@@ -480,22 +504,23 @@ class _PopeFlash(torch.autograd.Function):
         do = do if do.stride(-1) == 1 else do.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dsum = torch.empty_like(lse)
+        mq, mk = _magnitudes(q), _magnitudes(k)
         flags = dict(D=d, CAUSAL=ctx.causal, HAS_DELTA=ctx.has_delta, PRECISION=ctx.precision)
 
         bm, bn, warps, stages = _launch_config("dq", d)
         _bwd_dq_kernel[(triton.cdiv(nq, bm), b * h)](
-            q, k, v, o, do, dq, lse, dsum, turns, turns32, bias, q_start, k_start, k_len, q_len,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *do.stride()[:3],
-            *dq.stride()[:3], h, nq, ctx.scale * LOG2E, ctx.scale,
+            q, mq, mk, v, o, do, dq, lse, dsum, turns, turns32, bias, q_start, k_start, k_len, q_len,
+            *q.stride()[:3], *v.stride()[:3], *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
+            h, nq, nk, ctx.scale * LOG2E, ctx.scale,
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **flags,
         )
         bm, bn, warps, stages = _launch_config("dkdv", d)
         n_tiles = triton.cdiv(nk, bn)
         ddelta = torch.zeros((b * h, n_tiles, d), device=q.device, dtype=torch.float32) if ctx.has_delta else lse
         _bwd_dkdv_kernel[(n_tiles, b * h)](
-            q, k, v, do, dk, dv, ddelta, lse, dsum, turns, turns32, bias, q_start, k_start, k_len, q_len,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3],
-            *dv.stride()[:3], h, nq, nk, ctx.scale * LOG2E,
+            k, mq, mk, v, do, dk, dv, ddelta, lse, dsum, turns, turns32, bias, q_start, k_start, k_len, q_len,
+            *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+            h, nq, nk, ctx.scale * LOG2E,
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **flags,
         )
         ddelta = ddelta.view(b, h, n_tiles, d).sum((0, 2)) if ctx.has_delta else None

@@ -18,6 +18,10 @@ from poslab.models.blocks import Block, make_norm
 from poslab.models.config import ModelConfig
 from poslab.positional import AttentionGeometry, InputPositional, LayerPositional, build_positional
 
+# transformers 5.2x renamed the KV cache of model outputs and of generate()'s model inputs from
+# `past_key_values` to `cache` (the old keyword is deprecated, not gone): speak the installed version's.
+CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
 
 class PoslabConfig(PreTrainedConfig):
     model_type = "poslab"
@@ -88,9 +92,11 @@ class PoslabModel(PoslabPreTrainedModel):
         self.embed = value
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, capture=None, cache=None, **_unused) -> BaseModelOutputWithPast:
+                position_ids: torch.Tensor | None = None, capture=None, cache=None, past_key_values=None,
+                **_unused) -> BaseModelOutputWithPast:
         """attention_mask (batch, past + n) 1 = real token; position_ids (batch, n), default past..past+n-1;
-        ``cache`` a Hugging Face KV ``Cache`` (decoders, incremental decoding)."""
+        ``cache`` (or ``past_key_values``) a Hugging Face KV ``Cache`` (decoders, incremental decoding)."""
+        cache = cache if cache is not None else past_key_values
         n = input_ids.shape[1]
         past = cache.get_seq_length() if cache is not None else 0
         positions = position_ids if position_ids is not None else torch.arange(past, past + n, device=input_ids.device)[None]
@@ -109,7 +115,7 @@ class PoslabModel(PoslabPreTrainedModel):
         x = self.final_norm(x)
         if capture is not None:
             capture.record("final", x)
-        return BaseModelOutputWithPast(last_hidden_state=x, cache=cache)
+        return BaseModelOutputWithPast(last_hidden_state=x, **{CACHE_NAME: cache})
 
 
 class PoslabForCausalLM(PoslabPreTrainedModel, GenerationMixin):
@@ -131,7 +137,9 @@ class PoslabForCausalLM(PoslabPreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                capture=None, cache=None, use_cache: bool | None = None, **_unused) -> CausalLMOutputWithPast:
+                capture=None, cache=None, past_key_values=None, use_cache: bool | None = None,
+                **_unused) -> CausalLMOutputWithPast:
+        cache = cache if cache is not None else past_key_values
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         hidden = self.model(input_ids, attention_mask, position_ids, capture, cache).last_hidden_state
@@ -139,7 +147,7 @@ class PoslabForCausalLM(PoslabPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_NAME: cache})
 
 
 class MLMHead(nn.Module):
