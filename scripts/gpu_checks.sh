@@ -6,8 +6,8 @@
 # Runs with the machine's own python3 (it must hold a CUDA torch, triton, transformers, numba, scipy,
 # pytest, hypothesis): poslab is imported from src/, nothing is installed or fetched. Each step appends its
 # output to one of at most eight files in $OUT (a device session brings back eight) and has its own time
-# limit; a failing step does not stop the later ones, and the exit code counts the failures. About 6-8
-# minutes on an H100/H200.
+# limit; a failing step does not stop the later ones, and the exit code counts the failures. About 8
+# minutes on an H200; SWEEP=1 adds the launch-configuration sweep (~2 minutes).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-checks}
@@ -26,12 +26,8 @@ step() {  # step FILE SECONDS COMMAND...: run it under a time limit, append its 
 step tests.txt 20 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv
 step tests.txt 20 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 step tests.txt 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_pope.py -k "cuda or triton"
-# Launch configurations: each candidate timed and checked against PoPE through SDPA; the winners are used by
-# the benchmarks below and come back in configs.json.
-step configs.txt 200 python3 benchmarks/pope_kernel_configs.py --out /tmp/configs.json
-cp /tmp/configs.json "$OUT/configs.json" 2>/dev/null || echo '{}' >/tmp/configs.json
-step kernel.txt 120 python3 benchmarks/pope_kernel.py --configs /tmp/configs.json
-step train_step.txt 90 python3 benchmarks/pope_train_step.py --configs /tmp/configs.json
+step kernel.txt 120 python3 benchmarks/pope_kernel.py
+step train_step.txt 90 python3 benchmarks/pope_train_step.py
 # A short stretch of the paper-scale indirect-indexing recipe's own runs, through torchrun (NCCL, DDP):
 # the engine's GPU path end to end, and the step time that sizes a full paper run.
 python3 -c "import yaml; from poslab.experiments.indirect_indexing import SCALES, run_config
@@ -40,9 +36,12 @@ for scheme in pope rope; do
     step train.txt 75 torchrun --nproc_per_node 1 -m poslab train "/tmp/ii_$scheme.yaml" --out "/tmp/ii_$scheme" \
         --overwrite --set train.steps=1000 --set train.warmup_steps=100 --set train.log_every=500
 done
-step kernel.txt 60 python3 benchmarks/pope_kernel.py --configs /tmp/configs.json --bidirectional --n 4096 16384
 # The run directory stays outside $OUT: only a few files come back from a device session.
-step smoke.txt 90 python3 -m poslab reproduce all --scale smoke --out /tmp/poslab-smoke --jobs 1 --force
+step smoke.txt 150 python3 -m poslab reproduce all --scale smoke --out /tmp/poslab-smoke --jobs 1 --force
 cp /tmp/poslab-smoke/report.md "$OUT/smoke_report.md" 2>/dev/null || failed=$((failed + 1))
+step kernel.txt 60 python3 benchmarks/pope_kernel.py --bidirectional --n 4096 16384
+if [ "${SWEEP:-0}" = 1 ]; then  # after a kernel change: time and check each launch configuration (~2 min)
+    step configs.txt 200 python3 benchmarks/pope_kernel_configs.py --out "$OUT/configs.json"
+fi
 echo "$failed step(s) failed"
 exit "$failed"
