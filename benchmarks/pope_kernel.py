@@ -14,7 +14,7 @@ memory <= 1.1x rope, faster than pope2d. Without CUDA (or Triton) it prints one 
 
     python benchmarks/pope_kernel.py [--n 1024 2048 4096 8192 16384] [--head-dims 64 128]
                                      [--tokens 16384] [--d-model 2048] [--bidirectional]
-                                     [--configs FILE (launch configurations from pope_kernel_configs.py)]
+                                     [--breakdown] [--configs FILE (launch configurations from pope_kernel_configs.py)]
 """
 from __future__ import annotations
 
@@ -67,6 +67,26 @@ def use_configs(chosen: dict[str, tuple]) -> None:
     module._launch_config = lambda kernel, d: tuple(chosen[kernel]) if kernel in chosen else default(kernel, d)
 
 
+def kernel_breakdown(fn, leaves, do, reps: int = 5) -> dict[str, float]:
+    """GPU ms per forward+backward call, by kernel: the three fused kernels and everything else (the
+    softplus passes, d(delta)'s reduction), from the PyTorch profiler's device times."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.autograd.grad(fn(), leaves, do)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            torch.autograd.grad(fn(), leaves, do)
+        torch.cuda.synchronize()
+    parts = dict.fromkeys(("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel", "other"), 0.0)
+    for event in prof.key_averages():
+        if event.device_type != torch.autograd.DeviceType.CUDA:  # CPU-side ops carry their kernels' time too
+            continue
+        name = next((k for k in parts if k in event.key), "other")
+        parts[name] += getattr(event, "device_time_total", 0.0) / 1e3 / reps
+    return parts
+
+
 def measure(fn, leaves, do):
     """(forward ms, forward+backward ms, peak MiB of one forward+backward above what is allocated now)."""
     from triton.testing import do_bench
@@ -88,6 +108,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=16384, help="batch * n, kept fixed across n")
     parser.add_argument("--d-model", type=int, default=2048, help="heads = d_model / head dim")
     parser.add_argument("--bidirectional", action="store_true", help="no causal mask")
+    parser.add_argument("--breakdown", action="store_true", help="also the fused path's GPU time by kernel")
     parser.add_argument("--configs", help="JSON of launch configurations per head dim (pope_kernel_configs.py --out)")
     args = parser.parse_args()
     if not torch.cuda.is_available() or not triton_available():
@@ -142,6 +163,9 @@ def main() -> int:
                   f"{r[1]:7.3f} {p[1]:7.3f} {f[1]:7.3f} | {tflops['rope']:6.1f} {tflops['pope2d']:6.1f} "
                   f"{tflops['fused']:6.1f} | {r[2]:7.0f} {p[2]:7.0f} {f[2]:7.0f} | {f[1] / r[1]:5.2f}x "
                   f"{f[2] / r[2]:5.2f}x | {f[1] / p[1]:5.2f}x | {gap:.2e}")
+            if args.breakdown:
+                parts = kernel_breakdown(*paths["fused"], do)
+                print("       fused fwd+bwd by kernel, ms: " + ", ".join(f"{k.strip('_')} {ms:.3f}" for k, ms in parts.items()))
     return 0
 
 

@@ -26,7 +26,7 @@ step() {  # step FILE SECONDS COMMAND...: run it under a time limit, append its 
 step tests.txt 20 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv
 step tests.txt 20 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 step tests.txt 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_pope.py -k "cuda or triton"
-step kernel.txt 120 python3 benchmarks/pope_kernel.py
+step kernel.txt 120 python3 benchmarks/pope_kernel.py --breakdown
 step train_step.txt 90 python3 benchmarks/pope_train_step.py
 # A short stretch of the paper-scale indirect-indexing recipe's own runs, through torchrun (NCCL, DDP):
 # the engine's GPU path end to end, and the step time that sizes a full paper run.
