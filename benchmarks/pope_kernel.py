@@ -165,7 +165,8 @@ def main() -> int:
                   f"{f[2] / r[2]:5.2f}x | {f[1] / p[1]:5.2f}x | {gap:.2e}")
             if args.breakdown:
                 parts = kernel_breakdown(*paths["fused"], do)
-                print("       fused fwd+bwd by kernel, ms: " + ", ".join(f"{k.strip('_')} {ms:.3f}" for k, ms in parts.items()))
+                print("       fused fwd+bwd by kernel, ms: "
+                      + ", ".join(f"{k.strip('_')} {ms:.3f}" for k, ms in parts.items()))
     return 0
 
 

@@ -6,8 +6,9 @@ sin(s theta + delta)]. The PoPE authors materialised q~, k~ (twice the q/k memor
 a FlashAttention-2 kernel on them. Here every tile of q~/k~ is built in registers and the 2d-wide
 tensors never reach memory. The magnitudes mu = softplus(x) come from one d-wide elementwise pass,
 since recomputing them in every tile that visits a row costs two special-function-unit operations per
-element, the units the softmax's exp2 needs; positions and cos/sin are computed inside the kernels. The rest is FlashAttention-2: online softmax in base 2 with fp32 accumulation, the backward
-recomputing probabilities from the saved log-sum-exp (O(n) extra memory, never O(n^2)).
+element, the units the softmax's exp2 needs; positions and cos/sin are computed inside the kernels.
+The rest is FlashAttention-2: online softmax in base 2 with fp32 accumulation, the backward recomputing
+probabilities from the saved log-sum-exp (O(n) extra memory, never O(n^2)).
 
 Phases. t theta_c is huge at long positions (1e6 rad at t = 1e6), where an fp32 product is off by up to
 0.03 rad. Phases are carried in turns (theta_c / 2 pi). A tile's phases are (p0 + j) theta_c: the start
