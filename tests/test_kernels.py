@@ -153,6 +153,24 @@ def check_saved_tensors_are_linear_in_length(attention):
 
 
 @_check
+def check_cuda_tiles_match_reference(attention):
+    """The GPU's launch configurations (tiles up to 128 rows, BLOCK_M != BLOCK_N) on lengths that leave
+    ragged tails: causal and padded, bidirectional, a decode chunk. The interpreter's own 16x16 tiles
+    cover the other cases."""
+    import poslab.kernels.pope_flash as module
+
+    interpreter_config = module._launch_config
+    module._launch_config = lambda kernel, d: module.CUDA_LAUNCH[kernel, d > 64]
+    try:
+        for d in (64, 128):
+            _compare(attention, b=2, h=1, nq=139, d=d, causal=True, seq_lens=torch.tensor([139, 70]), seed=d)
+            _compare(attention, b=1, h=1, nq=139, d=d, causal=False, seed=d + 1)
+            _compare(attention, b=1, h=1, nq=9, nk=150, d=d, causal=True, q_start=141, seed=d + 2)
+    finally:
+        module._launch_config = interpreter_config
+
+
+@_check
 def check_bad_inputs_raise_config_errors(attention):
     q, k, v, delta = _inputs(1, 2, 8, 8, 32, True, seed=7)
     with pytest.raises(ConfigError, match="head dim 48"):

@@ -443,21 +443,22 @@ def _bwd_dkdv_kernel(K, MQ, MK, V, DO, DK, DV, DDELTA, LSE, DSUM, TURNS, TURNS32
         tl.store(DDELTA + (pid_bh * tl.num_programs(0) + pid_n) * D + offs_d, tl.sum(dphase, 0))
 
 
-def _launch_config(kernel: str, d: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head dim.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head-dim class ("wide": d > 64) on CUDA: the
+# fastest of benchmarks/pope_kernel_configs.py's candidates on an H200 (bf16, causal, n 4096; Triton
+# 3.6), each checked there against PoPE through SDPA (BENCHMARKS.md).
+CUDA_LAUNCH = {
+    ("fwd", False): (128, 64, 8, 3), ("fwd", True): (64, 32, 4, 2),
+    ("dq", False): (128, 32, 8, 2), ("dq", True): (64, 16, 4, 2),
+    ("dkdv", False): (32, 128, 8, 2), ("dkdv", True): (32, 32, 4, 2),
+}
 
-    The interpreter gets 16x16 tiles so that small test shapes still cross several tiles and ragged
-    tails. The CUDA configurations are the fastest of benchmarks/pope_kernel_configs.py's candidates on an
-    H200 (bf16, causal, n 4096; Triton 3.6), each checked there against PoPE through SDPA: BENCHMARKS.md.
-    """
+
+def _launch_config(kernel: str, d: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a kernel and head dim. The interpreter gets 16x16
+    tiles so that small test shapes still cross several tiles and ragged tails."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return 16, 16, 4, 1
-    wide = d > 64
-    return {
-        "fwd": (64, 32, 4, 2) if wide else (128, 64, 8, 3),
-        "dq": (64, 16, 4, 2) if wide else (128, 32, 8, 2),
-        "dkdv": (32, 32, 4, 2) if wide else (32, 128, 8, 2),
-    }[kernel]
+    return CUDA_LAUNCH[kernel, d > 64]
 
 
 @functools.lru_cache(maxsize=64)
