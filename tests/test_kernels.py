@@ -162,8 +162,9 @@ def check_cuda_tiles_match_reference(attention):
     interpreter_config = module._launch_config
     module._launch_config = lambda kernel, d: module.CUDA_LAUNCH[kernel, d > 64]
     try:
-        for d in (64, 128):
+        for d in (16, 32, 64, 128):
             _compare(attention, b=2, h=1, nq=139, d=d, causal=True, seq_lens=torch.tensor([139, 70]), seed=d)
+        for d in (64, 128):
             _compare(attention, b=1, h=1, nq=139, d=d, causal=False, seed=d + 1)
             _compare(attention, b=1, h=1, nq=9, nk=150, d=d, causal=True, q_start=141, seed=d + 2)
     finally:
