@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from poslab.cli import main
 from poslab.experiments import claims, runner
@@ -37,7 +38,7 @@ def test_what_was_tried_is_noted_only_for_claims_that_did_not_hold():
 def fake_recipes(monkeypatch):
     calls = []
 
-    def fake(scale, out, log, jobs):
+    def fake(scale, out, log, jobs, device):
         calls.append(out.name)
         out.mkdir(parents=True, exist_ok=True)
         return RecipeResult(out.name, scale, [claims.at_least("value is big", 1.0, 2.0, 1.5),
@@ -71,7 +72,7 @@ def test_runner_writes_results_and_report_and_resumes(tmp_path, fake_recipes):
 
 
 def test_interrupted_recipe_leaves_finished_ones(tmp_path, fake_recipes, monkeypatch):
-    def boom(scale, out, log, jobs):
+    def boom(scale, out, log, jobs, device):
         raise KeyboardInterrupt
 
     sys.modules["fake_recipes"].boom = boom
@@ -93,6 +94,35 @@ def test_unknown_scale_and_missing_name(capsys, tmp_path):
     assert "--scale must be one of" in capsys.readouterr().err
     assert main(["reproduce"]) == 2
     assert "name a recipe or 'all'" in capsys.readouterr().err
+
+
+def test_analysis_device(capsys, tmp_path, monkeypatch, fake_recipes):
+    """auto measures on this process's GPU when there is one; cuda without one is one clear line, exit 2,
+    before anything is trained or written."""
+    from poslab.analysis.runs import analysis_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert analysis_device("auto") == "cpu" and analysis_device("cpu") == "cpu"
+    assert main(["reproduce", "all", "--scale", "smoke", "--out", str(tmp_path / "r"), "--analysis-device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA device here" in err and err.count("\n") == 1 and not (tmp_path / "r").exists() and not fake_recipes
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert analysis_device("auto") == "cuda:1" and analysis_device("cpu") == "cpu"
+
+
+def test_recipes_measure_on_the_analysis_device(tmp_path, monkeypatch):
+    """The device reaches every Run.load of every recipe at smoke scale ('cpu:0', which only the runner's
+    argument can have set)."""
+    from poslab.analysis import runs as runs_module
+
+    devices = []
+    load = runs_module.Run.load.__func__
+    monkeypatch.setattr(runs_module.Run, "load",
+                        classmethod(lambda cls, path, checkpoint=None, device="cpu":
+                                    devices.append(device) or load(cls, path, checkpoint, device)))
+    runner.reproduce(["all"], "smoke", tmp_path, log=lambda _: None, device="cpu:0")
+    assert len(devices) >= 4 and set(devices) == {"cpu:0"}
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")

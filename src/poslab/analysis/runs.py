@@ -5,6 +5,7 @@ and never reaches into the trainer; it writes only under DIR/analysis/.
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,12 +13,25 @@ from pathlib import Path
 import torch
 
 from poslab.analysis.capture import take_batches
-from poslab.errors import CheckpointError
+from poslab.errors import CheckpointError, ConfigError
 from poslab.models import build_model
 from poslab.train.config import RunConfig
 from poslab.train.trainer import load_run
 
 ANALYSIS_DIR = "analysis"
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def analysis_device(name: str) -> str:
+    """'auto' -> this process's CUDA device (cuda:LOCAL_RANK under torchrun) when there is one, else 'cpu';
+    'cuda' without one is a ConfigError. Models measured at paper scale are too large for a CPU."""
+    if name not in DEVICES:
+        raise ConfigError(f"analysis device must be one of {', '.join(DEVICES)}, got '{name}'")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("analysis device cuda: no CUDA device here; use cpu or auto")
+    if name == "cpu" or not torch.cuda.is_available():
+        return "cpu"
+    return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
 
 
 @dataclass

@@ -78,7 +78,7 @@ def runs(scale_name: str, out: Path) -> dict:
             for task in TASKS for seed in scale["seeds"] for scheme in ("nope", "rope")}
 
 
-def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1) -> RecipeResult:
+def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, device: str = "cpu") -> RecipeResult:
     scale = SCALES[scale_name]
     table, trained_scores, init_scores, embed_scores = [], {}, {}, {}
     accuracy: dict[str, dict[str, float]] = {"nope": {}, "rope": {}}
@@ -90,7 +90,7 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1) -
             accuracy[scheme][task] = statistics.fmean(finals[scheme, task, seed]["eval_exact_match"]
                                                       for seed in scale["seeds"])
         run_dir = out / "runs" / f"nope-{task}-s{scale['seeds'][0]}"
-        analysed = Run.load(run_dir)
+        analysed = Run.load(run_dir, device=device)
         data = adjacency_analysis(analysed, Options(sequences=scale["sequences"], batch_size=32))
         figures += [rel(run_dir / "analysis" / f, out) for f in data["figures"]]
         trained, init = data["models"]["trained"], data["models"]["init"]

@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from poslab.analysis.runs import DEVICES, analysis_device
 from poslab.errors import PoslabError
 
 
@@ -21,6 +22,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--jobs", type=int, default=None,
                    help="models trained side by side, each in its own process (default: one per CPU at quick and "
                         "smoke scale on a machine without CUDA, else 1; always 1 under torchrun)")
+    p.add_argument("--analysis-device", default="auto", choices=DEVICES,
+                   help="where trained models are measured (default auto: the CUDA device when there is one, "
+                        "else the CPU; trainings follow each run config's train.device)")
     p.add_argument("--list", action="store_true", help="list the recipes and exit")
     p.set_defaults(func=run)
 
@@ -45,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     jobs = args.jobs if args.jobs is not None else cpus if small and not torch.cuda.is_available() else 1
     if jobs < 1:
         raise PoslabError(f"--jobs must be >= 1, got {jobs}")
-    data = reproduce(args.names, args.scale, args.out, force=args.force, jobs=jobs)
+    device = analysis_device(args.analysis_device)
+    data = reproduce(args.names, args.scale, args.out, force=args.force, jobs=jobs, device=device)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun the other ranks trained but did not measure
         held = sum(c["held"] for r in data["recipes"].values() for c in r["claims"])
         total = sum(len(r["claims"]) for r in data["recipes"].values())

@@ -149,11 +149,11 @@ def runs(scale_name: str, out: Path) -> dict[str, tuple[dict, Path]]:
     return configs
 
 
-def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1) -> RecipeResult:
+def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, device: str = "cpu") -> RecipeResult:
     scale = SCALES[scale_name]
     configs = runs(scale_name, out)
     finals = ensure_runs(configs, log, jobs)
-    loaded = {name: Run.load(out / "runs" / name) for name in configs}
+    loaded = {name: Run.load(out / "runs" / name, device=device) for name in configs}
     opts = Options(sequences=scale["sequences"], batch_size=16)
     figures: list[str] = []
 

@@ -61,13 +61,13 @@ def runs(scale_name: str, out: Path) -> dict:
     return {scheme: (run_config(SCALES[scale_name], scheme, out), out / "runs" / scheme) for scheme in SCHEMES}
 
 
-def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1) -> RecipeResult:
+def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, device: str = "cpu") -> RecipeResult:
     scale = SCALES[scale_name]
     ensure_runs(runs(scale_name, out), log, jobs)
-    pope = Run.load(out / "runs" / "pope")
+    pope = Run.load(out / "runs" / "pope", device=device)
     data = extrapolation_analysis(pope, Options(sequences=scale["sequences"], batch_size=8,
                                                 factors=tuple(scale["factors"]), compare=(str(out / "runs" / "rope"),),
-                                                scalings=("yarn", "ntk", "linear")))
+                                                scalings=("yarn", "ntk", "linear"), device=device))
     curves = {("pope" if name == "pope" else "rope"): r["curves"] for name, r in data["runs"].items()}
     series = {"pope": curves["pope"]["none"], "rope": curves["rope"]["none"], "rope+yarn": curves["rope"]["yarn"],
               "rope+ntk": curves["rope"]["ntk"], "rope+linear": curves["rope"]["linear"]}

@@ -46,14 +46,15 @@ def runs(scale_name: str, out: Path) -> dict:
     return extrapolation.runs(scale_name, out.parent / "extrapolation")
 
 
-def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1) -> RecipeResult:
+def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, device: str = "cpu") -> RecipeResult:
     scale = extrapolation.SCALES[scale_name]
     source = out.parent / "extrapolation"
     results, figures = {}, []
     ensure_runs(runs(scale_name, out), log, jobs)
     for scheme in extrapolation.SCHEMES:
         run_dir = source / "runs" / scheme
-        data = frequencies_analysis(Run.load(run_dir), Options(sequences=scale["sequences"], batch_size=8))
+        data = frequencies_analysis(Run.load(run_dir, device=device),
+                                    Options(sequences=scale["sequences"], batch_size=8))
         results[scheme] = data
         figures += [rel(run_dir / "analysis" / f, out) for f in data["figures"]]
     # Layer 1 is excluded when there are others, as in the paper's observation (PoPE's first layer differs).

@@ -111,10 +111,10 @@ def check_writable(out: Path) -> None:
 
 
 def reproduce(names: list[str], scale: str, out: str | Path, force: bool = False,
-              log: Callable[[str], None] = print, jobs: int = 1) -> dict[str, Any]:
-    """Run recipes into ``out``, training up to ``jobs`` independent models of a recipe at a time. Under
-    torchrun every process runs the recipes (training is data-parallel across them); only rank 0 logs and
-    writes results.json and report.md."""
+              log: Callable[[str], None] = print, jobs: int = 1, device: str = "cpu") -> dict[str, Any]:
+    """Run recipes into ``out``, training up to ``jobs`` independent models of a recipe at a time and
+    measuring the trained models on ``device``. Under torchrun every process runs the recipes (training is
+    data-parallel across them); only rank 0 measures, logs and writes results.json and report.md."""
     if scale not in SCALES:
         raise ConfigError(f"--scale must be one of {', '.join(SCALES)}, got '{scale}'")
     names = resolve(names)
@@ -130,7 +130,7 @@ def reproduce(names: list[str], scale: str, out: str | Path, force: bool = False
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         parallel, jobs = Parallel.setup(timeout=datetime.timedelta(hours=12)), 1
     try:
-        recipes = _run_recipes(names, scale, out, force, log, jobs)
+        recipes = _run_recipes(names, scale, out, force, log, jobs, device)
         if parallel is not None:
             # Leave together: a rank that tore its gloo group down while rank 0 was still analysing the
             # last recipe aborted now and then ("terminate called without an active exception").
@@ -142,7 +142,7 @@ def reproduce(names: list[str], scale: str, out: str | Path, force: bool = False
 
 
 def _run_recipes(names: list[str], scale: str, out: Path, force: bool, log: Callable[[str], None],
-                 jobs: int) -> dict[str, Any]:
+                 jobs: int, device: str) -> dict[str, Any]:
     results_path = out / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
     recipes = results.get("recipes", {}) if results.get("scale") == scale else {}
@@ -159,7 +159,7 @@ def _run_recipes(names: list[str], scale: str, out: Path, force: bool, log: Call
             ensure_runs(module.runs(scale, out / name), log)
             continue
         start = time.perf_counter()
-        result: RecipeResult = getattr(module, fn)(scale, out / name, log, jobs)
+        result: RecipeResult = getattr(module, fn)(scale, out / name, log, jobs, device)
         result.seconds = time.perf_counter() - start
         recipes[name] = result.to_dict()
         write_json(out / name / "result.json", recipes[name])
