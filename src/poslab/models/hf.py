@@ -18,8 +18,8 @@ from poslab.models.blocks import Block, make_norm
 from poslab.models.config import ModelConfig
 from poslab.positional import AttentionGeometry, InputPositional, LayerPositional, build_positional
 
-# transformers 5.2x renamed the KV cache of model outputs and of generate()'s model inputs from
-# `past_key_values` to `cache` (the old keyword is deprecated, not gone): speak the installed version's.
+# Between transformers 5.17 and 5.24 the KV cache of model outputs and of generate()'s model inputs was
+# renamed from `past_key_values` to `cache` (the old keyword deprecated, not gone): speak the installed one's.
 CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
