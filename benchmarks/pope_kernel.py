@@ -58,6 +58,17 @@ def pope2d_attention(q, k, v, delta, causal):
     return out[..., :d]
 
 
+def attention_inputs(b: int, h: int, n: int, d: int, device) -> tuple[torch.Tensor, ...]:
+    """Seeded bf16 q, k, v and an upstream gradient (b, h, n, d), and a PoPE delta (h, d) in its clamp
+    range; q, k, v and delta require grad."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, device=device, generator=gen, dtype=torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    delta = (-2 * math.pi * torch.rand(h, d, device=device, generator=gen)).requires_grad_()
+    do = torch.randn(b, h, n, d, device=device, generator=gen, dtype=torch.bfloat16)
+    return q, k, v, delta, do
+
+
 def use_configs(chosen: dict[str, tuple]) -> None:
     """Make the kernels launch with ``chosen[kernel]`` where given (the module's defaults elsewhere)."""
     import poslab.kernels.pope_flash as module
@@ -133,11 +144,7 @@ def main() -> int:
             use_configs(configs[str(d)])
         for n in args.n:
             b, h = max(1, args.tokens // n), args.d_model // d
-            gen = torch.Generator(device=dev).manual_seed(0)
-            q, k, v = (torch.randn(b, h, n, d, device=dev, generator=gen, dtype=torch.bfloat16).requires_grad_()
-                       for _ in range(3))
-            delta = (-2 * math.pi * torch.rand(h, d, device=dev, generator=gen)).requires_grad_()
-            do = torch.randn(b, h, n, d, device=dev, generator=gen, dtype=torch.bfloat16)
+            q, k, v, delta, do = attention_inputs(b, h, n, d, dev)
             cos, sin = rope_tables(n, d, dev)
             paths = {
                 "rope": (lambda: rope_attention(q, k, v, cos, sin, causal), (q, k, v)),

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 
 import torch
 
-from pope_kernel import pope2d_attention, use_configs  # benchmarks/ is the script's directory
+from pope_kernel import attention_inputs, pope2d_attention, use_configs  # benchmarks/ is the script's directory
 from poslab.kernels import triton_available
 
 # The current defaults (CUDA_LAUNCH) first, then neighbours and part of the first sweep's field (BENCHMARKS.md
@@ -61,11 +60,7 @@ def main() -> int:
     print(f"# {torch.cuda.get_device_name()}, bf16, causal, n {n}, tokens {args.tokens}, d_model {args.d_model}")
     for d in args.head_dims:
         b, h = max(1, args.tokens // n), args.d_model // d
-        gen = torch.Generator(device=dev).manual_seed(0)
-        q, k, v = (torch.randn(b, h, n, d, device=dev, generator=gen, dtype=torch.bfloat16).requires_grad_()
-                   for _ in range(3))
-        delta = (-2 * math.pi * torch.rand(h, d, device=dev, generator=gen)).requires_grad_()
-        do = torch.randn(b, h, n, d, device=dev, generator=gen, dtype=torch.bfloat16)
+        q, k, v, delta, do = attention_inputs(b, h, n, d, dev)
         leaves = (q, k, v, delta)
         ref_out = pope2d_attention(q, k, v, delta, True)
         reference = [ref_out, *torch.autograd.grad(ref_out, leaves, do)]
