@@ -15,6 +15,7 @@ memory <= 1.1x rope, faster than pope2d. Without CUDA (or Triton) it prints one 
     python benchmarks/pope_kernel.py [--n 1024 2048 4096 8192 16384] [--head-dims 64 128]
                                      [--tokens 16384] [--d-model 2048] [--bidirectional]
                                      [--breakdown] [--configs FILE (launch configurations from pope_kernel_configs.py)]
+                                     [--backward split|atomic (the fused backward pass; default: the module's)]
 """
 from __future__ import annotations
 
@@ -69,13 +70,15 @@ def attention_inputs(b: int, h: int, n: int, d: int, device) -> tuple[torch.Tens
     return q, k, v, delta, do
 
 
-def use_configs(chosen: dict[str, tuple]) -> None:
-    """Make the kernels launch with ``chosen[kernel]`` where given (the module's defaults elsewhere)."""
+def use_configs(chosen: dict) -> None:
+    """Make the kernels launch with ``chosen[kernel]`` where given and the backward pass run as
+    ``chosen["bwd"]`` ("split" or "atomic") if given (the module's defaults elsewhere)."""
     import poslab.kernels.pope_flash as module
 
-    default = getattr(module, "_default_launch_config", module._launch_config)
-    module._default_launch_config = default
-    module._launch_config = lambda kernel, d: tuple(chosen[kernel]) if kernel in chosen else default(kernel, d)
+    defaults = getattr(module, "_defaults", None) or (module._launch_config, module._backward_mode)
+    module._defaults = defaults
+    module._launch_config = lambda kernel, d: tuple(chosen[kernel]) if kernel in chosen else defaults[0](kernel, d)
+    module._backward_mode = lambda d: chosen.get("bwd") or defaults[1](d)
 
 
 def kernel_breakdown(fn, leaves, do, reps: int = 5) -> dict[str, float]:
@@ -121,6 +124,7 @@ def main() -> int:
     parser.add_argument("--bidirectional", action="store_true", help="no causal mask")
     parser.add_argument("--breakdown", action="store_true", help="also the fused path's GPU time by kernel")
     parser.add_argument("--configs", help="JSON of launch configurations per head dim (pope_kernel_configs.py --out)")
+    parser.add_argument("--backward", choices=["split", "atomic"], help="force the fused path's backward pass")
     args = parser.parse_args()
     if not torch.cuda.is_available() or not triton_available():
         print(f"pope_kernel benchmark: no CUDA device with Triton here (torch {torch.__version__}); nothing measured")
@@ -139,9 +143,11 @@ def main() -> int:
     configs = json.load(open(args.configs)) if args.configs else {}
     if configs:
         print(f"# launch configurations: {configs}")
+    from poslab.kernels.pope_flash import CUDA_BACKWARD
+
+    print(f"# fused backward: {args.backward or f'the default per wide head dim, {CUDA_BACKWARD}'}")
     for d in args.head_dims:
-        if str(d) in configs:
-            use_configs(configs[str(d)])
+        use_configs({**configs.get(str(d), {}), **({"bwd": args.backward} if args.backward else {})})
         for n in args.n:
             b, h = max(1, args.tokens // n), args.d_model // d
             q, k, v, delta, do = attention_inputs(b, h, n, d, dev)

@@ -3,7 +3,9 @@
 For each head dim, on one bf16 causal problem (default n 4096, 16384 tokens, d_model 2048), each kernel's
 candidates (BLOCK_M, BLOCK_N, num_warps, num_stages) are tried in turn -- forward first, timed alone;
 then the dq and dk/dv kernels, timed as forward+backward with the forward at its fastest -- each with
-the other kernels at their best so far. Every candidate's output and all four gradients are compared
+the other kernels at their best so far; last the dk/dv kernel of the atomic backward ("dkdq", which
+also adds dq), and the faster of the two backward passes wins ("bwd"). Every candidate's output and all
+four gradients are compared
 with PoPE materialised to 2d + SDPA (relative error of the whole tensor), so a tile that computes wrong
 results cannot win. Candidates that fail to compile (shared memory) are reported and skipped.
 Prints one line per candidate and the winners; --out writes them as JSON for
@@ -24,14 +26,18 @@ from poslab.kernels import triton_available
 
 # The current defaults (CUDA_LAUNCH) first, then neighbours and part of the first sweep's field (BENCHMARKS.md
 # has its timings). Spills alone do not decide: several winners spill a few hundred bytes per thread; the
-# neighbours that ptxas (sm_90a) reports with over 4 KB of spills are left out.
+# neighbours that ptxas (sm_90a) reports with over 4 KB of spills are left out
+# (benchmarks/pope_kernel_registers.py prints the reports). "dkdq", the atomic backward's kernel, has never
+# been timed: its candidates are the tiles with the fewest spills at each size.
 CANDIDATES = {
     64: {"fwd": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 32, 8, 3), (64, 64, 4, 3)],
          "dq": [(128, 32, 8, 2), (128, 64, 8, 2), (64, 32, 8, 2), (64, 32, 4, 2), (64, 64, 8, 2)],
-         "dkdv": [(32, 128, 8, 2), (64, 128, 8, 2), (32, 128, 8, 3), (32, 64, 4, 2), (64, 64, 8, 2)]},
+         "dkdv": [(32, 128, 8, 2), (64, 128, 8, 2), (32, 128, 8, 3), (32, 64, 4, 2), (64, 64, 8, 2)],
+         "dkdq": [(32, 128, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2), (64, 128, 8, 2), (32, 128, 8, 3)]},
     128: {"fwd": [(64, 32, 4, 2), (32, 32, 4, 2), (64, 16, 8, 2), (64, 32, 4, 3), (128, 32, 8, 2)],
           "dq": [(64, 16, 4, 2), (64, 16, 8, 2), (64, 16, 4, 3), (64, 32, 4, 2), (64, 32, 8, 2)],
-          "dkdv": [(32, 32, 4, 2), (16, 64, 4, 2), (32, 32, 4, 3), (16, 32, 8, 2), (16, 32, 4, 2)]},
+          "dkdv": [(32, 32, 4, 2), (16, 64, 4, 2), (32, 32, 4, 3), (16, 32, 8, 2), (16, 32, 4, 2)],
+          "dkdq": [(16, 64, 8, 2), (16, 32, 4, 2), (32, 32, 8, 2), (32, 64, 8, 2), (32, 32, 4, 2)]},
 }
 
 
@@ -64,11 +70,13 @@ def main() -> int:
         leaves = (q, k, v, delta)
         ref_out = pope2d_attention(q, k, v, delta, True)
         reference = [ref_out, *torch.autograd.grad(ref_out, leaves, do)]
-        chosen: dict[str, tuple] = {}
-        for kernel in ("fwd", "dq", "dkdv"):
+        chosen: dict = {}
+        fastest = {}  # backward pass -> best forward+backward ms
+        for kernel in ("fwd", "dq", "dkdv", "dkdq"):
             best = None
+            mode = "atomic" if kernel == "dkdq" else "split"
             for config in CANDIDATES[d][kernel]:
-                use_configs({**chosen, kernel: config})
+                use_configs({**chosen, kernel: config, "bwd": mode})
                 try:
                     out = pope_flash_attention(q, k, v, delta, causal=True)
                     errors = relative_errors([out, *torch.autograd.grad(out, leaves, do)], reference)
@@ -85,11 +93,16 @@ def main() -> int:
                     best = (ms, config)
             if best is not None:
                 chosen[kernel] = best[1]
+                fastest[mode] = best[0]
+        if fastest:
+            chosen["bwd"] = min(fastest, key=fastest.get)
+            print(f"d {d:>3} backward: " + ", ".join(f"{m} {ms:.3f} ms" for m, ms in fastest.items()))
         winners[d] = chosen
         print(f"d {d:>3} winners: {chosen}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({str(d): {k: list(c) for k, c in w.items()} for d, w in winners.items()}, f, indent=1)
+            json.dump({str(d): {k: c if isinstance(c, str) else list(c) for k, c in w.items()}
+                       for d, w in winners.items()}, f, indent=1)
     return 0
 
 

@@ -6,8 +6,9 @@
 # Runs with the machine's own python3 (it must hold a CUDA torch, triton, transformers, numba, scipy,
 # pytest, hypothesis): poslab is imported from src/, nothing is installed or fetched. Each step appends its
 # output to one of at most eight files in $OUT (a device session brings back eight) and has its own time
-# limit; a failing step does not stop the later ones, and the exit code counts the failures. About 8
-# minutes on an H200; SWEEP=1 adds the launch-configuration sweep (~2 minutes).
+# limit; a failing step does not stop the later ones, and the exit code counts the failures. About 9
+# minutes on an H200 with the launch sweep (SWEEP=0 leaves it out, ~2.5 min less); TRAIN=1 adds two
+# 1,000-step paper-scale torchrun runs (~2.5 min).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-checks}
@@ -25,23 +26,31 @@ step() {  # step FILE SECONDS COMMAND...: run it under a time limit, append its 
 }
 step tests.txt 20 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv
 step tests.txt 20 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
-step tests.txt 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_pope.py -k "cuda or triton"
-step kernel.txt 120 python3 benchmarks/pope_kernel.py --breakdown
-step train_step.txt 90 python3 benchmarks/pope_train_step.py
-# A short stretch of the paper-scale indirect-indexing recipe's own runs, through torchrun (NCCL, DDP):
-# the engine's GPU path end to end, and the step time that sizes a full paper run.
-python3 -c "import yaml; from poslab.experiments.indirect_indexing import SCALES, run_config
-for s in ('pope', 'rope'): yaml.safe_dump(run_config(SCALES['paper'], s, 0), open(f'/tmp/ii_{s}.yaml', 'w'))"
-for scheme in pope rope; do
-    step train.txt 75 torchrun --nproc_per_node 1 -m poslab train "/tmp/ii_$scheme.yaml" --out "/tmp/ii_$scheme" \
-        --overwrite --set train.steps=1000 --set train.warmup_steps=100 --set train.log_every=500
+step tests.txt 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_pope.py -k "cuda or triton"
+# After a kernel change (the default; SWEEP=0 skips it): time and check each launch configuration and both
+# backward passes (~2.5 min); the tables below then run the winners.
+CONFIGS=()
+if [ "${SWEEP:-1}" = 1 ]; then
+    step configs.txt 240 python3 benchmarks/pope_kernel_configs.py --out "$OUT/configs.json"
+    [ -s "$OUT/configs.json" ] && CONFIGS=(--configs "$OUT/configs.json")
+fi
+for backward in split atomic; do
+    step kernel.txt 120 python3 benchmarks/pope_kernel.py ${CONFIGS[@]+"${CONFIGS[@]}"} --backward "$backward" --breakdown
 done
 # The run directory stays outside $OUT: only a few files come back from a device session.
 step smoke.txt 150 python3 -m poslab reproduce all --scale smoke --out /tmp/poslab-smoke --jobs 1 --force
 cp /tmp/poslab-smoke/report.md "$OUT/smoke_report.md" 2>/dev/null || failed=$((failed + 1))
-step kernel.txt 60 python3 benchmarks/pope_kernel.py --bidirectional --n 4096 16384
-if [ "${SWEEP:-0}" = 1 ]; then  # after a kernel change: time and check each launch configuration (~2 min)
-    step configs.txt 200 python3 benchmarks/pope_kernel_configs.py --out "$OUT/configs.json"
+step train_step.txt 90 python3 benchmarks/pope_train_step.py ${CONFIGS[@]+"${CONFIGS[@]}"}
+step kernel.txt 60 python3 benchmarks/pope_kernel.py ${CONFIGS[@]+"${CONFIGS[@]}"} --bidirectional --n 4096 16384
+if [ "${TRAIN:-0}" = 1 ]; then  # ~2.5 min
+    # A short stretch of the paper-scale indirect-indexing recipe's own runs, through torchrun (NCCL, DDP):
+    # the engine's GPU path end to end, and the step time that sizes a full paper run.
+    python3 -c "import yaml; from poslab.experiments.indirect_indexing import SCALES, run_config
+for s in ('pope', 'rope'): yaml.safe_dump(run_config(SCALES['paper'], s, 0), open(f'/tmp/ii_{s}.yaml', 'w'))"
+    for scheme in pope rope; do
+        step train.txt 75 torchrun --nproc_per_node 1 -m poslab train "/tmp/ii_$scheme.yaml" --out "/tmp/ii_$scheme" \
+            --overwrite --set train.steps=1000 --set train.warmup_steps=100 --set train.log_every=500
+    done
 fi
 echo "$failed step(s) failed"
 exit "$failed"

@@ -15,6 +15,7 @@ import functools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -172,6 +173,26 @@ def check_cuda_tiles_match_reference(attention):
 
 
 @_check
+def check_atomic_backward_matches_reference(attention):
+    """The atomic backward (dq added by the dk/dv kernel) on the interpreter's tiles and on the GPU's own
+    "dkdq" tiles: causal with padding, a decode chunk, bidirectional, no delta, fp16."""
+    import poslab.kernels.pope_flash as module
+
+    mode, launch = module._backward_mode, module._launch_config
+    module._backward_mode = lambda d: "atomic"
+    try:
+        for name in ("causal-padded", "causal-decode-chunk", "bidirectional-d64-padded", "causal-d64-no-delta",
+                     "fp16-causal", "causal-positions-near-1e6"):
+            _compare(attention, **CASES[name])
+        module._launch_config = lambda kernel, d: module.CUDA_LAUNCH[kernel, d > 64]
+        for d in (64, 128):
+            _compare(attention, b=2, h=1, nq=139, d=d, causal=True, seq_lens=torch.tensor([139, 70]), seed=d)
+            _compare(attention, b=1, h=1, nq=9, nk=150, d=d, causal=True, q_start=141, seed=d + 2)
+    finally:
+        module._backward_mode, module._launch_config = mode, launch
+
+
+@_check
 def check_bad_inputs_raise_config_errors(attention):
     q, k, v, delta = _inputs(1, 2, 8, 8, 32, True, seed=7)
     with pytest.raises(ConfigError, match="head dim 48"):
@@ -256,46 +277,60 @@ def test_triton_available_follows_cuda_or_interpreter(monkeypatch):
     assert triton_available() == torch.cuda.is_available()
 
 
+def test_deterministic_algorithms_get_the_split_backward(monkeypatch):
+    """Atomics add dq's shares in a varying order: a run that asks PyTorch for determinism gets the split
+    backward whatever the launch table prefers."""
+    pytest.importorskip("triton")
+    import poslab.kernels.pope_flash as module
+
+    monkeypatch.setattr(module, "CUDA_BACKWARD", {False: "atomic", True: "atomic"})
+    assert module._backward_mode(64) == "atomic"
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert module._backward_mode(64) == module._backward_mode(128) == "split"
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("kernel", ["fwd", "dq", "dkdv"])
+@pytest.mark.parametrize("kernel", ["fwd", "dq", "dkdv", "dkdq"])
 def test_kernels_compile_for_hopper_without_a_gpu(monkeypatch, kernel, d, dtype):
     """Ahead-of-time compile for sm_90 (Triton's bundled ptxas, no GPU needed): catches what the
-    interpreter accepts but the compiler rejects, and tiles that overflow shared memory."""
+    interpreter accepts but the compiler rejects, and tiles that overflow shared memory; only the atomic
+    backward's kernel adds atomically."""
     pytest.importorskip("triton")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated to silence its warning
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     import poslab.kernels.pope_flash as module
 
-    fn = {"fwd": module._fwd_kernel, "dq": module._bwd_dq_kernel, "dkdv": module._bwd_dkdv_kernel}[kernel]
-    if not isinstance(fn, triton.runtime.jit.JITFunction):
+    if not isinstance(module._fwd_kernel, triton.runtime.jit.JITFunction):
         pytest.skip("the kernel module was decorated under TRITON_INTERPRET=1 in this process")
-    kinds = {"LSE": "*fp32", "DSUM": "*fp32", "DELTA": "*fp32", "DDELTA": "*fp32", "TURNS32": "*fp32",
-             "TURNS": "*fp64", "QSTART": "*i32", "KSTART": "*i32", "KLEN": "*i32", "QLEN": "*i32",
-             "qk_scale": "fp32", "scale": "fp32"}
-    block_m, block_n, warps, stages = module._launch_config(kernel, d)
-    constants = dict(D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=True, HAS_DELTA=True,
-                     PRECISION="ieee" if dtype == "fp32" else "tf32")
-    kinds.update({name: f"*{dtype}" for name in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "MQ", "MK")})
-    signature = {name: "constexpr" if name in constants else kinds.get(name, "i32") for name in fn.arg_names}
-    compiled = triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps, "num_stages": stages})
+    from poslab.kernels.aot import compile_kernel, ptxas_report
+
+    compiled = compile_kernel(kernel, d, module._launch_config(kernel, d), dtype)
+    assert 0 < ptxas_report(compiled)["registers"] <= 255  # what benchmarks/pope_kernel_registers.py reads
     # tensor cores on the 16-bit path (wgmma, or mma.sync where a tile is under 64 rows per warpgroup)
     assert "mma" in compiled.asm["ptx"] or dtype == "fp32"
+    atomic_adds = re.search(r"\b(red|atom)\.global\.[a-z.]*add\.f32", compiled.asm["ptx"])
+    assert (atomic_adds is not None) == (kernel == "dkdq")  # dq's fp32 atomic adds, only there
     assert compiled.metadata.shared <= 227 * 1024  # the most one H100/H200 block may use
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the interpreter tests cover CPU)")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-4), (torch.bfloat16, 6e-2), (torch.float16, 2e-2)])
 @pytest.mark.parametrize("d", [64, 128])
-def test_cuda_matches_reference(dtype, tol, d):
+@pytest.mark.parametrize("backward", ["split", "atomic"])
+def test_cuda_matches_reference(dtype, tol, d, backward, monkeypatch):
     pytest.importorskip("triton")
+    import poslab.kernels.pope_flash as module
     from poslab.kernels.pope_flash import pope_flash_attention
+
+    monkeypatch.setattr(module, "_backward_mode", lambda d: backward)
 
     _compare(pope_flash_attention, dtype=dtype, tol=tol, device="cuda", b=2, h=3, nq=333, d=d, causal=True,
              seq_lens=torch.tensor([333, 200], device="cuda"))

@@ -24,11 +24,17 @@ no weight. A query whose position q_start + i lies at or past the end of the val
 query that sees no key at all (causal with every key in its future). Without ``seq_lens`` every query row
 is real.
 
+Backward. Two passes (CUDA_BACKWARD picks per head-dim class): "split" runs a dq kernel over query tiles,
+then a dk/dv kernel over key tiles, each rebuilding the probabilities; "atomic" runs the dk/dv kernel
+alone, which also adds each key tile's share of dq into an fp32 buffer with atomics (FlashAttention-2's
+scheme): fewer matmuls, non-deterministic summation order, so deterministic runs get "split".
+
 Cost. The keys' Cartesian form is rebuilt for every query tile that reads them (and the queries' for
 every key tile in the dk/dv pass): O(n^2 d / BLOCK) elementwise work on top of FlashAttention's, the
-price of never storing q~/k~. Measured on an H200 (BENCHMARKS.md): the forward pass is faster than RoPE
-through SDPA up to n = 2k, the forward+backward 1.0-2.7x RoPE's time (d = 64) and 1.2-3.7x (d = 128) from
-n = 1k to 16k, at 0.6x RoPE's peak memory.
+price of never storing q~/k~. Measured on an H200 with the split backward (BENCHMARKS.md): the forward
+pass is faster than RoPE through SDPA up to n = 2k, the forward+backward 1.0-2.7x RoPE's time (d = 64)
+and 1.2-3.7x (d = 128) from n = 1k to 16k, at 0.6x RoPE's peak memory. The atomic backward has not run on
+a GPU yet.
 """
 from __future__ import annotations
 
@@ -328,10 +334,10 @@ def _bwd_dq_kernel(Q, MQ, MK, V, O, DO, DQ, LSE, DSUM, TURNS, TURNS32, DELTA, QS
 
 
 @triton.jit
-def _dkdv_inner(dv, dkx, dky, kx, ky, v, MQ_base, DO_base, LSE_base, DSUM_base, sdon, c_row, s_row, turns,
-                offs_n, q_start, k_start, k_len, NQ, qk_scale, lo, hi,
+def _dkdv_inner(dv, dkx, dky, kx, ky, v, MQ_base, DO_base, LSE_base, DSUM_base, DQ_base, sdon, c_row, s_row,
+                turns, offs_n, q_start, k_start, k_len, NQ, qk_scale, lo, hi,
                 D: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                PRECISION: tl.constexpr):
+                ATOMIC_DQ: tl.constexpr, PRECISION: tl.constexpr):
     offs_d = tl.arange(0, D)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -366,16 +372,28 @@ def _dkdv_inner(dv, dkx, dky, kx, ky, v, MQ_base, DO_base, LSE_base, DSUM_base, 
         dsT = (pT * (dpT - dsum[None, :])).to(muT.dtype)
         dkx = tl.dot(dsT, tl.trans(qxT), dkx, input_precision=PRECISION)
         dky = tl.dot(dsT, tl.trans(qyT), dky, input_precision=PRECISION)
+        if ATOMIC_DQ:
+            # this key tile's share of d q~ = ds k~, rotated back to the queries' magnitudes (only they
+            # carry a gradient: q's phases are positions) while cos/sin are at hand: d wide, not 2d
+            dqxT = tl.dot(tl.trans(kx), dsT, input_precision=PRECISION)  # (D, M)
+            dqyT = tl.dot(tl.trans(ky), dsT, input_precision=PRECISION)
+            dq_ptrs = DQ_base + offs_m[None, :] * D + offs_d[:, None]
+            if MASKED:
+                tl.atomic_add(dq_ptrs, dqxT * c + dqyT * s, mask=row_in[None, :], sem="relaxed")
+            else:
+                tl.atomic_add(dq_ptrs, dqxT * c + dqyT * s, sem="relaxed")
     return dv, dkx, dky
 
 
 @triton.jit
-def _bwd_dkdv_kernel(K, MQ, MK, V, DO, DK, DV, DDELTA, LSE, DSUM, TURNS, TURNS32, DELTA, QSTART, KSTART, KLEN, QLEN,
-                     skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
+def _bwd_dkdv_kernel(K, MQ, MK, V, DO, DK, DV, DQACC, DDELTA, LSE, DSUM, TURNS, TURNS32, DELTA, QSTART, KSTART, KLEN,
+                     QLEN, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
                      sdkb, sdkh, sdkn, sdvb, sdvh, sdvn, H, NQ, NK, qk_scale,
                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                     HAS_DELTA: tl.constexpr, PRECISION: tl.constexpr):
-    """dk, dv for one key tile, and this tile's share of d(delta) (summed on the host: deterministic)."""
+                     HAS_DELTA: tl.constexpr, ATOMIC_DQ: tl.constexpr, PRECISION: tl.constexpr):
+    """dk, dv for one key tile, and this tile's share of d(delta) (summed on the host: deterministic).
+    With ATOMIC_DQ also this tile's share of dq / (scale * sigmoid(q)), added atomically in fp32 into DQACC,
+    contiguous (batch, heads, n, D): the "atomic" backward, which needs no dq kernel."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -413,17 +431,18 @@ def _bwd_dkdv_kernel(K, MQ, MK, V, DO, DK, DV, DDELTA, LSE, DSUM, TURNS, TURNS32
     DO_base = DO + b * sdob + h * sdoh
     LSE_base = LSE + pid_bh * NQ
     DSUM_base = DSUM + pid_bh * NQ
+    DQ_base = DQACC + pid_bh.to(tl.int64) * NQ * D
     c_row, s_row = _row_phases(tl.arange(0, BLOCK_M)[None, :], turns_hi[:, None], turns_lo[:, None])  # queries, (D, M)
     lo, mid, full, hi = _query_range(start_n, q_start, k_start, k_len, q_len, BLOCK_M, BLOCK_N, CAUSAL)
-    dv, dkx, dky = _dkdv_inner(dv, dkx, dky, kx, ky, v, MQ_base, DO_base, LSE_base, DSUM_base, sdon, c_row, s_row,
-                               turns, offs_n, q_start, k_start, k_len, NQ, qk_scale, lo, mid,
-                               D, BLOCK_M, CAUSAL, True, PRECISION)
-    dv, dkx, dky = _dkdv_inner(dv, dkx, dky, kx, ky, v, MQ_base, DO_base, LSE_base, DSUM_base, sdon, c_row, s_row,
-                               turns, offs_n, q_start, k_start, k_len, NQ, qk_scale, mid, full,
-                               D, BLOCK_M, CAUSAL, False, PRECISION)
-    dv, dkx, dky = _dkdv_inner(dv, dkx, dky, kx, ky, v, MQ_base, DO_base, LSE_base, DSUM_base, sdon, c_row, s_row,
-                               turns, offs_n, q_start, k_start, k_len, NQ, qk_scale, full, hi,
-                               D, BLOCK_M, CAUSAL, True, PRECISION)
+    dv, dkx, dky = _dkdv_inner(dv, dkx, dky, kx, ky, v, MQ_base, DO_base, LSE_base, DSUM_base, DQ_base, sdon, c_row,
+                               s_row, turns, offs_n, q_start, k_start, k_len, NQ, qk_scale, lo, mid,
+                               D, BLOCK_M, CAUSAL, True, ATOMIC_DQ, PRECISION)
+    dv, dkx, dky = _dkdv_inner(dv, dkx, dky, kx, ky, v, MQ_base, DO_base, LSE_base, DSUM_base, DQ_base, sdon, c_row,
+                               s_row, turns, offs_n, q_start, k_start, k_len, NQ, qk_scale, mid, full,
+                               D, BLOCK_M, CAUSAL, False, ATOMIC_DQ, PRECISION)
+    dv, dkx, dky = _dkdv_inner(dv, dkx, dky, kx, ky, v, MQ_base, DO_base, LSE_base, DSUM_base, DQ_base, sdon, c_row,
+                               s_row, turns, offs_n, q_start, k_start, k_len, NQ, qk_scale, full, hi,
+                               D, BLOCK_M, CAUSAL, True, ATOMIC_DQ, PRECISION)
 
     # q~ carried scale * log2(e); d k~ needs scale alone. The keys' cos/sin and magnitudes are recomputed
     # and reloaded rather than kept alive through the loop (registers).
@@ -446,11 +465,20 @@ def _bwd_dkdv_kernel(K, MQ, MK, V, DO, DK, DV, DDELTA, LSE, DSUM, TURNS, TURNS32
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head-dim class ("wide": d > 64) on CUDA: the
 # fastest of benchmarks/pope_kernel_configs.py's candidates on an H200 (bf16, causal, n 4096; Triton
 # 3.6), each checked there against PoPE through SDPA (BENCHMARKS.md).
+# "dkdq" is the dk/dv kernel of the atomic backward: tiles picked from ptxas's sm_90a register reports
+# (the fewest spills at a useful size), not yet timed.
 CUDA_LAUNCH = {
     ("fwd", False): (128, 64, 8, 3), ("fwd", True): (64, 32, 4, 2),
     ("dq", False): (128, 32, 8, 2), ("dq", True): (64, 16, 4, 2),
     ("dkdv", False): (32, 128, 8, 2), ("dkdv", True): (32, 32, 4, 2),
+    ("dkdq", False): (32, 128, 8, 2), ("dkdq", True): (16, 64, 8, 2),
 }
+# The backward pass per head-dim class. "split" (a dq kernel, then a dk/dv kernel) rebuilds the
+# probabilities twice: 11 d-wide matmuls per tile pair against FlashAttention-2's 5 for RoPE, a floor of
+# (3 + 11) / (2 + 5) = 2x RoPE's time for forward+backward. "atomic" (one dk/dv kernel adding dq into
+# fp32 with atomics, as FlashAttention-2 does) needs 8, a floor of 1.57x, at the price of fp32 atomic
+# traffic and a non-deterministic summation order. Measured on an H200 so far: split only (BENCHMARKS.md).
+CUDA_BACKWARD = {False: "split", True: "split"}
 
 
 def _launch_config(kernel: str, d: int) -> tuple[int, int, int, int]:
@@ -459,6 +487,14 @@ def _launch_config(kernel: str, d: int) -> tuple[int, int, int, int]:
     if os.environ.get("TRITON_INTERPRET") == "1":
         return 16, 16, 4, 1
     return CUDA_LAUNCH[kernel, d > 64]
+
+
+def _backward_mode(d: int) -> str:
+    """"split" or "atomic" (see CUDA_BACKWARD); split whenever PyTorch is asked for deterministic
+    algorithms, since atomics add dq's shares in a varying order."""
+    if torch.are_deterministic_algorithms_enabled():
+        return "split"
+    return CUDA_BACKWARD[d > 64]
 
 
 @functools.lru_cache(maxsize=64)
@@ -506,27 +542,35 @@ class _PopeFlash(torch.autograd.Function):
         b, h, nq, d = q.shape
         nk = k.shape[2]
         do = do if do.stride(-1) == 1 else do.contiguous()
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        dsum = torch.empty_like(lse)
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
         mq, mk = _magnitudes(q), _magnitudes(k)
         flags = dict(D=d, CAUSAL=ctx.causal, HAS_DELTA=ctx.has_delta, PRECISION=ctx.precision)
+        atomic = _backward_mode(d) == "atomic"
 
-        bm, bn, warps, stages = _launch_config("dq", d)
-        _bwd_dq_kernel[(triton.cdiv(nq, bm), b * h)](
-            q, mq, mk, v, o, do, dq, lse, dsum, turns, turns32, bias, q_start, k_start, k_len, q_len,
-            *q.stride()[:3], *v.stride()[:3], *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
-            h, nq, nk, ctx.scale * LOG2E, ctx.scale,
-            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **flags,
-        )
-        bm, bn, warps, stages = _launch_config("dkdv", d)
+        if atomic:  # dq comes out of the dk/dv kernel; rowsum(dO * O) is all the dq kernel would add
+            dsum = (do.float() * o.float()).sum(-1)
+            dq = torch.zeros((b, h, nq, d), device=q.device, dtype=torch.float32)
+        else:
+            dsum = torch.empty_like(lse)
+            dq = torch.empty_like(q)
+            bm, bn, warps, stages = _launch_config("dq", d)
+            _bwd_dq_kernel[(triton.cdiv(nq, bm), b * h)](
+                q, mq, mk, v, o, do, dq, lse, dsum, turns, turns32, bias, q_start, k_start, k_len, q_len,
+                *q.stride()[:3], *v.stride()[:3], *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
+                h, nq, nk, ctx.scale * LOG2E, ctx.scale,
+                BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **flags,
+            )
+        bm, bn, warps, stages = _launch_config("dkdq" if atomic else "dkdv", d)
         n_tiles = triton.cdiv(nk, bn)
         ddelta = torch.zeros((b * h, n_tiles, d), device=q.device, dtype=torch.float32) if ctx.has_delta else lse
         _bwd_dkdv_kernel[(n_tiles, b * h)](
-            k, mq, mk, v, do, dk, dv, ddelta, lse, dsum, turns, turns32, bias, q_start, k_start, k_len, q_len,
+            k, mq, mk, v, do, dk, dv, dq, ddelta, lse, dsum, turns, turns32, bias, q_start, k_start, k_len, q_len,
             *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
             h, nq, nk, ctx.scale * LOG2E,
-            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **flags,
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, ATOMIC_DQ=atomic, **flags,
         )
+        if atomic:
+            dq = (dq * torch.sigmoid(q.float()) * ctx.scale).to(q.dtype)
         ddelta = ddelta.view(b, h, n_tiles, d).sum((0, 2)) if ctx.has_delta else None
         return dq, dk, dv, ddelta, None, None, None, None, None, None, None, None
 
