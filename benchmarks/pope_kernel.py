@@ -82,7 +82,7 @@ def use_configs(chosen: dict) -> None:
 
 
 def kernel_breakdown(fn, leaves, do, reps: int = 5) -> dict[str, float]:
-    """GPU ms per forward+backward call, by kernel: the three fused kernels and everything else (the
+    """GPU ms per forward+backward call, by kernel: the fused kernels and everything else (the
     softplus passes, d(delta)'s reduction), from the PyTorch profiler's device times."""
     from torch.profiler import ProfilerActivity, profile
 

@@ -474,9 +474,9 @@ CUDA_LAUNCH = {
     ("dkdq", False): (32, 128, 8, 2), ("dkdq", True): (16, 64, 8, 2),
 }
 # The backward pass per head-dim class. "split" (a dq kernel, then a dk/dv kernel) rebuilds the
-# probabilities twice: 11 d-wide matmuls per tile pair against FlashAttention-2's 5 for RoPE, a floor of
-# (3 + 11) / (2 + 5) = 2x RoPE's time for forward+backward. "atomic" (one dk/dv kernel adding dq into
-# fp32 with atomics, as FlashAttention-2 does) needs 8, a floor of 1.57x, at the price of fp32 atomic
+# probabilities twice: 11 d-wide matmuls per tile pair against FlashAttention-2's 5 for RoPE, so forward
+# and backward do (3 + 11) / (2 + 5) = 2x RoPE's matmul work. "atomic" (one dk/dv kernel adding dq into
+# fp32 with atomics, as FlashAttention-2 does) needs 8, 1.57x RoPE's work, at the price of fp32 atomic
 # traffic and a non-deterministic summation order. Measured on an H200 so far: split only (BENCHMARKS.md).
 CUDA_BACKWARD = {False: "split", True: "split"}
 
