@@ -561,7 +561,7 @@ class _PopeFlash(torch.autograd.Function):
                 BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **flags,
             )
         bm, bn, warps, stages = _launch_config("dkdq" if atomic else "dkdv", d)
-        n_tiles = triton.cdiv(nk, bn)
+        n_tiles = triton.cdiv(nk, bn)  # the kernel reads dq (as DQACC) only when atomic
         ddelta = torch.zeros((b * h, n_tiles, d), device=q.device, dtype=torch.float32) if ctx.has_delta else lse
         _bwd_dkdv_kernel[(n_tiles, b * h)](
             k, mq, mk, v, do, dk, dv, dq, ddelta, lse, dsum, turns, turns32, bias, q_start, k_start, k_len, q_len,
