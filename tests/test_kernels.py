@@ -185,8 +185,10 @@ def check_atomic_backward_matches_reference(attention):
                      "fp16-causal", "causal-positions-near-1e6"):
             _compare(attention, **CASES[name])
         module._launch_config = lambda kernel, d: module.CUDA_LAUNCH[kernel, d > 64]
-        for d in (64, 128):
+        for d in (16, 32, 64, 128):
             _compare(attention, b=2, h=1, nq=139, d=d, causal=True, seq_lens=torch.tensor([139, 70]), seed=d)
+        for d in (64, 128):
+            _compare(attention, b=1, h=1, nq=139, d=d, causal=False, seed=d + 1)
             _compare(attention, b=1, h=1, nq=9, nk=150, d=d, causal=True, q_start=141, seed=d + 2)
     finally:
         module._backward_mode, module._launch_config = mode, launch
