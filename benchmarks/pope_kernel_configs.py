@@ -5,9 +5,8 @@ candidates (BLOCK_M, BLOCK_N, num_warps, num_stages) are tried in turn -- forwar
 then the dq and dk/dv kernels, timed as forward+backward with the forward at its fastest -- each with
 the other kernels at their best so far; last the dk/dv kernel of the atomic backward ("dkdq", which
 also adds dq), and the faster of the two backward passes wins ("bwd"). Every candidate's output and all
-four gradients are compared
-with PoPE materialised to 2d + SDPA (relative error of the whole tensor), so a tile that computes wrong
-results cannot win. Candidates that fail to compile (shared memory) are reported and skipped.
+four gradients are compared with PoPE materialised to 2d + SDPA (relative error of the whole tensor), so
+a tile that computes wrong results cannot win. Candidates that fail to compile (shared memory) are reported and skipped.
 Prints one line per candidate and the winners; --out writes them as JSON for
 ``benchmarks/pope_kernel.py --configs``. The defaults, ``poslab.kernels.pope_flash.CUDA_LAUNCH``, come
 from this sweep (BENCHMARKS.md).
