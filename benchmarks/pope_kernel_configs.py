@@ -26,8 +26,10 @@ from poslab.kernels import triton_available
 # The current defaults (CUDA_LAUNCH) first, then neighbours and part of the first sweep's field (BENCHMARKS.md
 # has its timings). Spills alone do not decide: several winners spill a few hundred bytes per thread; the
 # neighbours that ptxas (sm_90a) reports with over 4 KB of spills are left out
-# (benchmarks/pope_kernel_registers.py prints the reports). "dkdq", the atomic backward's kernel, has never
-# been timed: its candidates are the tiles with the fewest spills at each size.
+# (benchmarks/pope_kernel_registers.py prints the reports). At d 128 the dk/dv winner, (32, 32, 4, 2), runs
+# on mma.sync, not wgmma (its key tile has 32 rows, wgmma needs 64); the last two dk/dv candidates there,
+# untimed, are the wgmma tiles with the fewest spills. "dkdq", the atomic backward's kernel, has never been
+# timed: its candidates are the tiles with the fewest spills at each size.
 CANDIDATES = {
     64: {"fwd": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 32, 8, 3), (64, 64, 4, 3)],
          "dq": [(128, 32, 8, 2), (128, 64, 8, 2), (64, 32, 8, 2), (64, 32, 4, 2), (64, 64, 8, 2)],
@@ -35,7 +37,8 @@ CANDIDATES = {
          "dkdq": [(32, 128, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2), (64, 128, 8, 2), (32, 128, 8, 3)]},
     128: {"fwd": [(64, 32, 4, 2), (32, 32, 4, 2), (64, 16, 8, 2), (64, 32, 4, 3), (128, 32, 8, 2)],
           "dq": [(64, 16, 4, 2), (64, 16, 8, 2), (64, 16, 4, 3), (64, 32, 4, 2), (64, 32, 8, 2)],
-          "dkdv": [(32, 32, 4, 2), (16, 64, 4, 2), (32, 32, 4, 3), (16, 32, 8, 2), (16, 32, 4, 2)],
+          "dkdv": [(32, 32, 4, 2), (16, 64, 4, 2), (32, 32, 4, 3), (16, 32, 8, 2), (16, 32, 4, 2), (16, 64, 8, 2),
+                   (32, 64, 8, 2)],
           "dkdq": [(16, 64, 8, 2), (16, 32, 4, 2), (32, 32, 8, 2), (32, 64, 8, 2), (32, 32, 4, 2)]},
 }
 
