@@ -54,12 +54,12 @@ SCALES = {
                            "shows at 2 x 64 and 1,500 steps; the paper's size of gap (94.1% vs 23.4%) does not.",
                         1: "One seed in five of the seed study (seed 0) stays under the threshold (0.72-0.74); "
                            "the others give 0.91-0.96 (DSTG_FINDINGS.md).",
-                        3: "The search (benchmarks/quick_search/DSTG_FINDINGS.md) tried 8 heads, twice the steps and "
-                           "3 layers: the best layer's R^2 stayed 0.18-0.42 in every model, so the rule fails for all "
-                           "four, not only for DSTG. The paper's 6 layers were not tried.",
-                        4: "8 heads, twice the steps and 3 layers were tried: every DSTG head stays AP-dominated (AP "
-                           "share of logit variance 0.54-0.96, sem at most 0.37; a label needs 0.5). The paper's "
-                           "6 layers were not tried."}},
+                        3: "The search (benchmarks/quick_search/DSTG_FINDINGS.md) tried 8 heads, twice the steps, "
+                           "3 layers and the paper's 6: the best layer's R^2 stayed 0.18-0.42 in every model, so the "
+                           "rule fails for all four, not only for DSTG.",
+                        4: "8 heads, twice the steps, 3 layers and the paper's 6 were tried: every DSTG head stays "
+                           "AP-dominated or mixed (sem share of logit variance at most 0.48 at 6 layers; a label "
+                           "needs 0.5)."}},
     "smoke": {"models": "quick", "data": "mlm_quick.yaml", "documents": 60, "tokenizer_documents": 30,
               "data_overrides": {"seq_len": 64, "packing": False}, "model_overrides": {"max_seq_len": 64},
               "train": {"steps": 3, "batch_size": 8, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 1},
