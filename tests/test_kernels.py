@@ -178,20 +178,15 @@ def check_atomic_backward_matches_reference(attention):
     "dkdq" tiles: causal with padding, a decode chunk, bidirectional, no delta, fp16."""
     import poslab.kernels.pope_flash as module
 
-    mode, launch = module._backward_mode, module._launch_config
+    mode = module._backward_mode
     module._backward_mode = lambda d: "atomic"
     try:
         for name in ("causal-padded", "causal-decode-chunk", "bidirectional-d64-padded", "causal-d64-no-delta",
                      "fp16-causal", "causal-positions-near-1e6"):
             _compare(attention, **CASES[name])
-        module._launch_config = lambda kernel, d: module.CUDA_LAUNCH[kernel, d > 64]
-        for d in (16, 32, 64, 128):
-            _compare(attention, b=2, h=1, nq=139, d=d, causal=True, seq_lens=torch.tensor([139, 70]), seed=d)
-        for d in (64, 128):
-            _compare(attention, b=1, h=1, nq=139, d=d, causal=False, seed=d + 1)
-            _compare(attention, b=1, h=1, nq=9, nk=150, d=d, causal=True, q_start=141, seed=d + 2)
+        check_cuda_tiles_match_reference(attention)  # with the "dkdq" tiles
     finally:
-        module._backward_mode, module._launch_config = mode, launch
+        module._backward_mode = mode
 
 
 @_check
