@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from poslab.analysis.probes import (absolute_positions, classification_probe, cosine_features, macro_f1, mlp_probe,
-                                    ridge_probe, split_sequences, valid_targets, variance_features)
+from poslab.analysis.probes import (absolute_positions, classification_probe, cosine_features, count_from_window,
+                                    macro_f1, mlp_probe, ridge_probe, shuffle_tokens, split_sequences,
+                                    valid_targets, variance_features)
 from poslab.errors import DataError
 
 
@@ -109,19 +110,71 @@ def test_classification_probe_and_macro_f1():
     assert out["accuracy"] > 0.85 and out["macro_f1"] > 0.8 and out["classes"] == 3
 
 
+def test_count_from_window_restarts_each_document_at_its_first_sentence_in_the_sequence():
+    index = torch.tensor([[-1, 3, 3, 4, -1, 0, 1, -1], [-1, 0, 0, 1, 1, 2, -1, -1]])
+    doc_id = torch.tensor([[-1, 7, 7, 7, -1, 8, 8, -1], [-1, 7, 7, 7, 7, 7, -1, -1]])
+    assert count_from_window(index, doc_id).tolist() == [[-1, 0, 0, 1, -1, 0, 1, -1], [-1, 0, 0, 1, 1, 2, -1, -1]]
+
+
 def test_cosine_features_shapes_and_values():
+    cos = torch.nn.functional.cosine_similarity
     h = torch.randn(3, 10, 4)
-    f = cosine_features(h, lags=(1, 3))
-    assert f.shape == (3, 10, 6)
-    assert torch.all(f[:, 0] == 0)  # position 0 sees nothing
-    c = torch.nn.functional.cosine_similarity(h[:, 5], h[:, 4], dim=-1)
-    assert torch.allclose(f[:, 5, 4], c, atol=1e-6)  # lag 1
-    assert torch.allclose(f[:, 5, 3], torch.nn.functional.cosine_similarity(h[:, 5], h[:, 0], dim=-1), atol=1e-6)
-    bi = cosine_features(h, causal=False, lags=(1,))
-    both = (torch.nn.functional.cosine_similarity(h[:, 5], h[:, 4], dim=-1)
-            + torch.nn.functional.cosine_similarity(h[:, 5], h[:, 6], dim=-1)) / 2
-    assert torch.allclose(bi[:, 5, 4], both, atol=1e-6)
-    assert torch.all(bi[:, 0, 0] != 0)  # bidirectional: position 0 sees the others
+    mask = torch.ones(3, 10, dtype=torch.bool)
+    f, defined = cosine_features(h, mask, lags=(1, 3))
+    assert f.shape == (3, 10, 3)
+    assert defined.tolist() == [[False] * 3 + [True] * 7] * 3  # a token needs a partner at every lag
+    assert torch.allclose(f[:, 5, 0], cos(h[:, 5], h[:, 0], dim=-1), atol=1e-6)  # the first token
+    assert torch.allclose(f[:, 5, 1], cos(h[:, 5], h[:, 4], dim=-1), atol=1e-6)  # lag 1
+    assert torch.allclose(f[:, 5, 2], cos(h[:, 5], h[:, 2], dim=-1), atol=1e-6)  # lag 3
+    bi, bi_defined = cosine_features(h, mask, causal=False, lags=(1,))
+    both = (cos(h[:, 5], h[:, 4], dim=-1) + cos(h[:, 5], h[:, 6], dim=-1)) / 2
+    assert torch.allclose(bi[:, 5, 1], both, atol=1e-6)
+    assert bi_defined[0].tolist() == [False] + [True] * 8 + [False]  # bidirectional: a partner on each side
+
+
+def test_cosine_features_count_real_tokens_across_padding():
+    h = torch.randn(2, 8, 6)
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    mask[1, [0, 3]] = False  # padding on the left and inside
+    f, defined = cosine_features(h, mask, lags=(1, 2))
+    real = h[1, mask[1]]
+    ref, ref_defined = cosine_features(real[None], torch.ones(1, 6, dtype=torch.bool), lags=(1, 2))
+    assert torch.allclose(f[1, mask[1]], ref[0], atol=1e-6)
+    assert defined[1, mask[1]].tolist() == ref_defined[0].tolist() and not defined[1, ~mask[1]].any()
+
+
+def test_cosine_features_read_the_adjacency_pattern_and_nothing_from_states_without_position():
+    """The null the features must pass: i.i.d. states carry no position, so a probe on their features must
+    not find any (a feature whose input count grows with the position would fail this); causal running
+    means carry the adjacency pattern, which the probe must read; shuffling their tokens removes it."""
+    torch.manual_seed(0)
+    S, n, d = 96, 32, 32
+    mask = torch.ones(S, n, dtype=torch.bool)
+    mask[::3, 24:] = False  # some shorter sequences
+    pos = absolute_positions(mask)
+    noise = torch.randn(S, n, d)
+    means = noise.cumsum(1) / torch.arange(1, n + 1)[None, :, None]
+    split = split_sequences(S)
+    kw = dict(steps=300, hidden=64, batch=256, lr=3e-3)
+
+    def probe(states):
+        x, defined = cosine_features(states, mask)
+        return mlp_probe(x, pos, mask & defined, split, **kw)
+
+    blind, informative = probe(noise), probe(means)
+    shuffled = probe(shuffle_tokens(means, mask, seed=1))
+    assert blind["nrmse"] > 0.9 and abs(blind["pearson_r"]) < 0.3
+    assert shuffled["nrmse"] > 0.9
+    assert informative["nrmse"] < 0.7 and informative["pearson_r"] > 0.75  # measured 0.55 and 0.83
+
+
+def test_shuffle_tokens_permutes_real_tokens_only():
+    h = torch.arange(2 * 6, dtype=torch.float32).reshape(2, 6, 1)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]], dtype=torch.bool)
+    out = shuffle_tokens(h, mask, seed=0)
+    assert sorted(out[0, :, 0].tolist()) == h[0, :, 0].tolist() and out[0, :, 0].tolist() != h[0, :, 0].tolist()
+    assert sorted(out[1, :4, 0].tolist()) == h[1, :4, 0].tolist() and out[1, 4:].equal(h[1, 4:])
+    assert out.equal(shuffle_tokens(h, mask, seed=0))
 
 
 def test_blocked_gram_equals_the_full_product():

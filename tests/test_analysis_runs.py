@@ -124,7 +124,8 @@ def test_adjacency_variance_probes_write_json_and_figures(runs):
     assert all(0 <= v["mean"] <= 1 and v["sequences"] == 24 for v in adj.values())
     probes = json.loads((rope / "analysis" / "probes.json").read_text())["models"]["trained"]
     assert set(probes["ridge"]["position"]) == {"embed", "blocks.0.resid_post", "blocks.1.resid_post"}
-    assert set(probes["mlp"]) == {"cosine", "variance"} and "embed" in probes["classification"]
+    assert set(probes["mlp"]) == {"cosine", "variance", "cosine, tokens shuffled (null)"}
+    assert "embed" in probes["classification"] and probes["mlp"]["cosine"]["test_tokens"] > 0
     assert not list((rope / "analysis").glob(".*"))  # no temporary files left behind
 
 

@@ -21,7 +21,8 @@ from poslab.analysis.extrapolation import (ROPE_SCALINGS, evaluate_lengths, rope
 from poslab.analysis.frequencies import frequency_sums, usage_summary
 from poslab.analysis.heads import allowed_keys, label_heads, term_variances, variance_shares
 from poslab.analysis.probes import (absolute_positions, classification_probe, cosine_features, mlp_probe,
-                                    ridge_probe, split_sequences, valid_targets, variance_features)
+                                    ridge_probe, shuffle_tokens, split_sequences, valid_targets,
+                                    variance_features)
 from poslab.analysis.runs import Run, by_depth, layer_of, stream_of
 from poslab.analysis.similarity import cosine_self_similarity, sequence_adjacency
 from poslab.analysis.spectra import pca, spectrum_summary
@@ -32,6 +33,7 @@ from poslab.positional import InputPositional
 STREAMS = ["embed", "embed.*", "blocks.*.resid_post", "blocks.*.resid_post.*"]
 ATTN_OUT = ["blocks.*.attn_out", "blocks.*.attn_out.*"]
 NOT_TARGETS = ("input_ids", "labels", "attention_mask", "position_ids", "doc_id")
+NULL_FEATURES = "cosine, tokens shuffled (null)"
 
 
 @dataclass
@@ -172,10 +174,15 @@ def probes(run: Run, opts: Options) -> dict:
                 ridge_series[key][1].append(r2)
         whole = [n for n in streams if stream_of(n) == "resid" and not n.startswith("embed")]
         attn = [n for n in by_depth(caps) if stream_of(n) == "attn_out"]
-        features = {"cosine": torch.cat([cosine_features(caps[n], causal=run.causal) for n in whole], -1),
-                    "variance": torch.cat([variance_features(caps[n]) for n in attn], -1)}
+        shuffled = {n: shuffle_tokens(caps[n], mask, seed=run.config.seed) for n in whole}
+        cosine = [cosine_features(caps[n], mask, causal=run.causal) for n in whole]
+        probed = mask & cosine[0][1]  # tokens with every cosine feature; both kinds probe the same ones
+        features = {"cosine": torch.cat([f for f, _ in cosine], -1),
+                    "variance": torch.cat([variance_features(caps[n]) for n in attn], -1),
+                    NULL_FEATURES: torch.cat([cosine_features(shuffled[n], mask, causal=run.causal)[0]
+                                              for n in whole], -1)}
         for kind, x in features.items():
-            entry["mlp"][kind] = mlp_probe(x, targets.get("position", absolute_positions(mask)), mask, split,
+            entry["mlp"][kind] = mlp_probe(x, targets.get("position", absolute_positions(mask)), probed, split,
                                            steps=opts.probe_steps, seed=run.config.seed)
         mlp_groups[label] = {f"{k} R": v["pearson_r"] for k, v in entry["mlp"].items()}
         mlp_groups[label].update({f"{k} NRMSE": v["nrmse"] for k, v in entry["mlp"].items()})

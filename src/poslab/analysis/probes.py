@@ -15,7 +15,7 @@ Three probes:
   classification_probe  a linear (or deeper) softmax classifier, accuracy and macro-F1.
 
 Features beyond raw hidden states: ``cosine_features`` (the adjacency hypothesis: how a state relates
-to the states it can see) and ``variance_features`` (Chi et al.'s hypothesis: the spread of a state
+to the states near it) and ``variance_features`` (Chi et al.'s hypothesis: the spread of a state
 across hidden dimensions).
 """
 from __future__ import annotations
@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from poslab.analysis.similarity import cosine_self_similarity
 from poslab.errors import DataError
 
 RIDGE_ALPHAS = (1e-6, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0, 1000.0)
@@ -64,6 +63,25 @@ def absolute_positions(mask: torch.Tensor) -> torch.Tensor:
     return mask.long().cumsum(-1) - 1
 
 
+def count_from_window(index: torch.Tensor, doc_id: torch.Tensor) -> torch.Tensor:
+    """A document-level index (sentence, paragraph) recounted from the first one each sequence shows of
+    its document. index, doc_id (S, n) long, negative = no label -> (S, n) long.
+
+    Structure labels count from the document's start; a packed sequence, or a long document's later
+    chunk, starts mid-document, and no model can tell how many sentences came before its window. What
+    it can know is the count since the window's first sentence of that document.
+    """
+    labelled = (index >= 0) & (doc_id >= 0)
+    rows = torch.arange(index.shape[0], device=index.device)[:, None].expand_as(index)
+    pairs = torch.stack([rows[labelled], doc_id[labelled]], 1)
+    groups, which = torch.unique(pairs, dim=0, return_inverse=True)
+    first = index.new_full((groups.shape[0],), torch.iinfo(index.dtype).max)
+    first = first.scatter_reduce(0, which, index[labelled], "amin")
+    out = index.clone()
+    out[labelled] = index[labelled] - first[which]
+    return out
+
+
 def valid_targets(targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Tokens that have a target: inside the mask and not marked missing with a negative value (-100, -1)."""
     ok = targets >= 0 if targets.dim() == mask.dim() else (targets >= 0).all(-1)
@@ -72,40 +90,53 @@ def valid_targets(targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------------------------- features
 
-def cosine_features(h: torch.Tensor, causal: bool = True, lags: tuple[int, ...] = (1, 2, 4, 8, 16),
-                    chunk: int = 64) -> torch.Tensor:
-    """How each state relates to the states it can see. h (S, n, d) -> (S, n, 4 + len(lags)).
+def cosine_features(h: torch.Tensor, mask: torch.Tensor, causal: bool = True, lags: tuple[int, ...] = (1, 2, 4, 8),
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """How each state relates to the states around it. h (S, n, d), mask (S, n) ->
+    (features (S, n, 1 + len(lags)), defined (S, n) bool).
 
-    Visible states are the earlier positions (causal) or all other positions (bidirectional). Per token:
-    mean, standard deviation and maximum of its cosine similarities to the visible states, its
-    similarity to the first position, and its similarity to the state ``lag`` positions back (causal) or
-    the mean of ``lag`` back and ahead (bidirectional). A statistic with nothing to look at is 0; only
-    the first ``max(lags)`` positions have such gaps, so they carry a little position information of
-    their own (one bit per lag).
+    Per token: its cosine similarity to the first real token, and to the real token ``lag`` positions
+    back (causal) or the mean of ``lag`` back and ``lag`` ahead (bidirectional). Lags count real tokens,
+    so padding anywhere is skipped. ``defined`` marks the tokens that have every partner; probe only
+    those. Why not more: any statistic whose input count grows with the position (the mean or maximum
+    over all earlier states, a lag feature zero-filled where it has no partner) tells the position by
+    itself -- a probe on i.i.d. states, which carry no position, would read it -- so the features are a
+    fixed number of similarities per token.
     """
     S, n, _ = h.shape
-    k = torch.arange(n, device=h.device)
-    visible = (k[None, :] < k[:, None]) if causal else (k[None, :] != k[:, None])  # (n, n) row sees column
-    count = visible.sum(-1).clamp(min=1)
-    out = []
-    for start in range(0, S, chunk):
-        c = cosine_self_similarity(h[start:start + chunk].float())  # (s, n, n)
-        vis_c = torch.where(visible, c, 0.0)
-        mean = vis_c.sum(-1) / count
-        var = torch.where(visible, (c - mean[..., None]) ** 2, 0.0).sum(-1) / count
-        top = torch.where(visible, c, -torch.inf).amax(-1)
-        feats = [mean, var.sqrt(), torch.where(visible.any(-1), top, 0.0), vis_c[..., 0]]
-        for lag in lags:
-            back = torch.diagonal(c, offset=-lag, dim1=-2, dim2=-1)  # C[k, k - lag], (s, n - lag)
-            back = F.pad(back, (lag, 0)) if lag < n else c.new_zeros(c.shape[:-1])
-            if causal:
-                feats.append(back)
-            else:
-                ahead = F.pad(torch.diagonal(c, offset=lag, dim1=-2, dim2=-1), (0, lag)) if lag < n else back
-                both = (k >= lag).float() + (k < n - lag).float()
-                feats.append((back + ahead) / both.clamp(min=1))
-        out.append(torch.stack(feats, -1))
-    return torch.cat(out)
+    order = torch.sort((~mask).int(), dim=1, stable=True).indices  # real tokens first, in their order
+    packed = h.float().gather(1, order[..., None].expand_as(h))
+    length = mask.sum(-1, keepdim=True)
+    k = torch.arange(n, device=h.device)[None, :]
+    reach = max(lags)
+    defined = (k >= reach) & (k < length) & (causal or (k + reach < length))
+    unit = F.normalize(packed, dim=-1)
+    feats = [(unit * unit[:, :1]).sum(-1)]
+    for lag in lags:
+        if lag >= n:  # no token has a partner: ``defined`` is all False
+            feats.append(unit.new_zeros(S, n))
+            continue
+        pair = (unit[:, lag:] * unit[:, :-lag]).sum(-1)  # similarity of tokens j + lag and j
+        back = F.pad(pair, (lag, 0))
+        feats.append(back if causal else (back + F.pad(pair, (0, lag))) / 2)
+    packed_feats = torch.stack(feats, -1)
+    inverse = torch.argsort(order, dim=1)
+    return (packed_feats.gather(1, inverse[..., None].expand_as(packed_feats)),
+            defined.gather(1, inverse) & mask)
+
+
+def shuffle_tokens(h: torch.Tensor, mask: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """The real tokens of each sequence in a seeded random order (padding stays put). h (S, n, d) -> (S, n, d).
+
+    The null for position probes: shuffling keeps every state and every pairwise similarity but ties
+    none of them to the slot the probe is asked to name.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    out = h.clone()
+    for row in range(h.shape[0]):
+        real = mask[row].nonzero()[:, 0]
+        out[row, real] = h[row, real[torch.randperm(real.numel(), generator=gen).to(real.device)]]
+    return out
 
 
 def variance_features(h: torch.Tensor) -> torch.Tensor:
