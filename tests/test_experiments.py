@@ -25,13 +25,18 @@ def test_claims_are_computed_from_the_values():
     assert claims.all_of("c", "x", {"t1": 0.9, "t2": 0.85}, 0.8).held
     assert not claims.all_of("c", "x", {"t1": 0.9, "t2": 0.75}, 0.8).held
     assert claims.at_most("c", "x", 1.05, 1.1).held and not claims.at_most("c", "x", 1.2, 1.1).held
+    assert claims.lowest("c", "x", {"a": 0.3, "b": 0.4, "null": 0.9}, "a").held
+    assert not claims.lowest("c", "x", {"a": 0.3, "b": 0.4, "null": 0.3}, "a").held
+    assert not claims.lowest("c", "x", {"a": 0.3, "b": math.nan}, "a").held
 
 
 def test_what_was_tried_is_noted_only_for_claims_that_did_not_hold():
     result = [claims.at_least("big", 1, 2.0, 1.5), claims.at_least("huge", 100, 2.0, 50)]
-    notes = claims.tried_notes(result, {0: "tried A.", 1: "tried B."})
+    notes = claims.tried_notes(result, {"big": "tried A.", "hu": "tried B."})
     assert notes == ["Not held: huge. tried B."]
     assert claims.tried_notes(result, {}) == []
+    with pytest.raises(ValueError, match="opens 0"):
+        claims.tried_notes(result, {"small": "tried C."})
 
 
 @pytest.fixture
@@ -159,6 +164,13 @@ def test_every_recipe_runs_end_to_end_at_smoke_scale(tmp_path):
         for figure in record["figures"]:
             assert (tmp_path / figure).is_file(), figure
     assert (tmp_path / "report.md").read_text().startswith("# poslab reproduction (smoke scale)")
+    # The quick scale's notes on failed claims name their claims by opening words, which no scale changes.
+    from poslab.experiments import adjacency, dstg, frequencies, indirect_indexing
+    quick_tried = {"adjacency": adjacency.SCALES["quick"]["tried"], "dstg": dstg.SCALES["quick"]["tried"],
+                   "indirect-indexing": indirect_indexing.SCALES["quick"]["tried"],
+                   "frequencies": frequencies.TRIED["quick"]}
+    for name, tried in quick_tried.items():
+        claims.tried_notes([claims.Claim(**c) for c in data["recipes"][name]["claims"]], tried)  # raises if unmatched
     details = data["recipes"]["dstg"]["details"]
     assert details["spectra_seeds"] == [0, 1]
     assert {m: len(v) for m, v in details["top2_by_seed"].items()} == {"dstg": 2, "ap_neobert": 2}

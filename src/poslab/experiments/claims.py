@@ -46,6 +46,13 @@ def exceeds(claim: str, paper: Any, ours: dict[str, float], better: str, worse: 
                  f"{better} > {worse}" + (f" + {margin:g}" if margin else ""))
 
 
+def lowest(claim: str, paper: Any, ours: dict[str, float], best: str) -> Claim:
+    """ours[best] below every other value (errors, losses: lower is better)."""
+    others = [k for k in ours if k != best]
+    held = _finite(*ours.values()) and all(ours[best] < ours[k] for k in others)
+    return Claim(claim, paper, {k: _round(v) for k, v in ours.items()}, held, f"{best} < {' and '.join(others)}")
+
+
 def all_of(claim: str, paper: Any, ours: dict[str, float], threshold: float, above: bool = True) -> Claim:
     """Every value >= threshold (above) or <= threshold (not above)."""
     held = all(_finite(v) and (v >= threshold if above else v <= threshold) for v in ours.values())
@@ -53,10 +60,18 @@ def all_of(claim: str, paper: Any, ours: dict[str, float], threshold: float, abo
     return Claim(claim, paper, {k: _round(v) for k, v in ours.items()}, held, rule)
 
 
-def tried_notes(result_claims: list[Claim], tried: dict[int, str]) -> list[str]:
-    """For each claim (by index) that did not hold, a note saying what the search tried: a report that
-    says "not held" should also say what was done before concluding so."""
-    return [f"Not held: {result_claims[i].claim}. {text}" for i, text in tried.items() if not result_claims[i].held]
+def tried_notes(result_claims: list[Claim], tried: dict[str, str]) -> list[str]:
+    """For each claim that did not hold, a note saying what the search tried: a report that says "not
+    held" should also say what was done before concluding so. ``tried`` is keyed by the opening words of
+    a claim, so reordering or adding claims cannot attach a note to the wrong one."""
+    notes = []
+    for opening, text in tried.items():
+        matching = [c for c in result_claims if c.claim.startswith(opening)]
+        if len(matching) != 1:
+            raise ValueError(f"a 'tried' note must open exactly one claim; '{opening}' opens {len(matching)}")
+        if not matching[0].held:
+            notes.append(f"Not held: {matching[0].claim}. {text}")
+    return notes
 
 
 def _round(value: Any) -> Any:
