@@ -6,7 +6,9 @@ factor are numerically identical (tests/test_positional.py checks it).
 
 Dynamic NTK is stateless here: the base is stretched for the current length L = max position + 1 when
 L exceeds ``original_max_len``; Hugging Face instead keeps the largest length seen so far. Both agree
-on any single call with a fresh model.
+on any single call with a fresh model. With a KV cache, as in Hugging Face, each key keeps the rotation
+of the call that cached it: decoding past ``original_max_len`` token by token scores earlier keys with
+a smaller stretch than one full pass over the same tokens would, so the two differ there.
 """
 from __future__ import annotations
 
