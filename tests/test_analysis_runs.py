@@ -174,6 +174,14 @@ def test_dstg_run_streams_table_and_terms(tmp_path):
            "train": {"steps": 2, "batch_size": 4, "warmup_steps": 0, "eval_batches": 1}}
     train(RunConfig.from_dict(raw), tmp_path / "dstg")
     run = str(tmp_path / "dstg")
+    loaded = Run.load(run)
+    intact = loaded.batches(8, 4)[0]  # analyses read the text, not the masked training view of it
+    mask_id = loaded.config.data.build(0).tokenizer.mask_token_id
+    assert "labels" not in intact and not (intact["input_ids"] == mask_id).any()
+    assert analyze("probes", "--run", run, "--sequences", "8", "--probe-steps", "5") == 0
+    probes = json.loads((tmp_path / "dstg" / "analysis" / "probes.json").read_text())["models"]["trained"]
+    assert probes["classification"] == {"skipped": "no task labels (text data)"}
+    assert "sentence_index" in probes["ridge"]
     assert analyze("adjacency", "--run", run, "--sequences", "8") == 0
     adj = json.loads((tmp_path / "dstg" / "analysis" / "adjacency.json").read_text())["models"]["trained"]
     assert {"embed.ap", "embed.sem", "blocks.1.resid_post.ap", "blocks.1.resid_post.sem"} <= set(adj)

@@ -186,8 +186,9 @@ def probes(run: Run, opts: Options) -> dict:
                                            steps=opts.probe_steps, seed=run.config.seed)
         mlp_groups[label] = {f"{k} R": v["pearson_r"] for k, v in entry["mlp"].items()}
         mlp_groups[label].update({f"{k} NRMSE": v["nrmse"] for k, v in entry["mlp"].items()})
-        task = _task_targets(batch["labels"], run.causal)
-        classes = torch.unique(task[valid_targets(task, mask)]).numel()
+        # Text sources hand analyses intact text without labels; only task problems have classes to probe.
+        task = _task_targets(batch["labels"], run.causal) if "labels" in batch else None
+        classes = torch.unique(task[valid_targets(task, mask)]).numel() if task is not None else 0
         if 2 <= classes <= opts.max_classes:
             for name in streams:
                 result = classification_probe(caps[name], task, mask, split, steps=opts.probe_steps,
@@ -197,6 +198,8 @@ def probes(run: Run, opts: Options) -> dict:
                 class_series.setdefault(key, ([], []))
                 class_series[key][0].append(layer_of(name))
                 class_series[key][1].append(result["accuracy"])
+        elif task is None:
+            entry["classification"] = {"skipped": "no task labels (text data)"}
         else:
             entry["classification"] = {"skipped": f"task labels have {classes} classes (probed: 2..{opts.max_classes})"}
         data["models"][label] = entry

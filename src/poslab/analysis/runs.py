@@ -73,9 +73,10 @@ class Run:
             return build_model(self.config.model).to(self.device).eval()
 
     def batches(self, sequences: int, batch_size: int, split: str | None = None) -> list[dict[str, torch.Tensor]]:
-        """The first ``sequences`` sequences of an evaluation split (default: the one training evaluated on)."""
+        """The first ``sequences`` sequences of an evaluation split (default: the one training evaluated on),
+        as the data is, not as training corrupts it: a masked LM's text without its [MASK]s and labels."""
         source = self.config.data.build(self.config.seed)
-        return take_batches(source.eval_batches(split or self.config.train.eval_split, batch_size), sequences)
+        return take_batches(source.sequence_batches(split or self.config.train.eval_split, batch_size), sequences)
 
 
 def layer_of(name: str) -> int:

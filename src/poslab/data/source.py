@@ -13,7 +13,6 @@ resumed run and every data-parallel rank see exactly the batches an uninterrupte
 from __future__ import annotations
 
 import abc
-import functools
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -33,7 +32,7 @@ class TextBatchSource(abc.ABC):
     """A ``poslab.batches.BatchSource`` over a prepared corpus; ``MLMSource`` and ``LMSource`` label it.
 
     Attributes: ``vocab_size``, ``tokenizer`` (transformers PreTrainedTokenizerFast), ``pad_token_id``,
-    ``seq_len``, ``corpus`` (PreparedCorpus), ``structure_keys`` (the label keys each batch carries).
+    ``seq_len``, ``corpus`` (PreparedCorpus).
     """
 
     def __init__(self, seed: int, config: DataConfig, corpus: PreparedCorpus) -> None:
@@ -42,7 +41,7 @@ class TextBatchSource(abc.ABC):
         self.vocab_size = corpus.vocab_size
         ids = corpus.special_ids
         self.cls_id, self.sep_id, self.pad_token_id = ids["cls"], ids["sep"], ids["pad"]
-        self.structure_keys = STRUCTURE_KEYS + ("abs_position",) if config.structure_labels else ()
+        self._layouts: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._ahead: tuple[tuple[int, int, int, int], Future] | None = None  # (step key, batch being built)
 
@@ -51,12 +50,13 @@ class TextBatchSource(abc.ABC):
         return self.corpus.tokenizer
 
     # -- layout -------------------------------------------------------------------------------------
-    @functools.cache
     def _chunks(self, split: str) -> tuple[np.ndarray, np.ndarray]:
-        """One-document layout: (cumulative chunk counts (d,), document table (d, 2))."""
-        docs = self.corpus.split(split).documents
-        n_chunks = -(-docs[:, 1] // (self.seq_len - 2))
-        return np.cumsum(n_chunks), docs
+        """One-document layout: (cumulative chunk counts (d,), document table (d, 2)), computed once per
+        split (a per-instance cache: functools.cache on a method would keep every source alive)."""
+        if split not in self._layouts:
+            docs = self.corpus.split(split).documents
+            self._layouts[split] = np.cumsum(-(-docs[:, 1] // (self.seq_len - 2))), docs
+        return self._layouts[split]
 
     def num_sequences(self, split: str) -> int:
         if self.config.packing:

@@ -198,6 +198,10 @@ class TaskSource:
         for start in range(0, len(problems), batch_size):
             yield self.to_batch(problems.take(np.arange(start, min(start + batch_size, len(problems)))))
 
+    def sequence_batches(self, split: str, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
+        """What analyses read: the evaluation batches, labels included (a task never corrupts its input)."""
+        return self.eval_batches(split, batch_size)
+
     def examples(self, split: str, count: int) -> list[tuple[str, str]]:
         """The first `count` (prompt, answer) strings of a split ('train' = the batch of step 0)."""
         require(count >= 1, f"count must be >= 1, got {count}")
