@@ -209,7 +209,7 @@ def test_pope_attention_in_half_precision(device, dtype, reliability):
         cases += 1
     reliability.record("numerics", f"pope_attention in {str(dtype)[6:]} on {device}, activations x1 to "
                        f"x{torch.finfo(dtype).max ** 0.5 / 4:.0e}", cases,
-                       f"within 8 roundoff of float64 at x1; finite convex combinations of v at every scale")
+                       "within 8 roundoff of float64 at x1; finite convex combinations of v at every scale")
 
 
 def test_pope_model_at_a_million_positions(reliability):

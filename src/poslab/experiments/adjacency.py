@@ -6,7 +6,6 @@ cosine-similarity vs variance features, and task accuracy of NoPE against RoPE.
 """
 from __future__ import annotations
 
-import math
 import statistics
 from pathlib import Path
 from typing import Callable
@@ -134,7 +133,7 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
     mlp = probe_result["models"]["trained"]["mlp"]
     result_claims = [
         claims.within("score at the token-embedding layer is ~0.5 (mean over tasks, init)", "~0.5",
-                      _mean(embed_scores), 0.4, 0.6),
+                      statistics.fmean(embed_scores.values()), 0.4, 0.6),
         claims.all_of("score of the first causal attention layer's output >= 0.8 at initialisation (every task)", "0.8-1.0",
                       init_scores, 0.8),
         claims.all_of("score of the first causal attention layer's output >= 0.8 after training (every task)", "0.8-1.0",
@@ -173,7 +172,3 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
                                  "embed": embed_scores, "accuracy": accuracy, "bidirectional": bidirectional,
                                  "ablation": {f"std={s},mean={m}": v for (s, m), v in ablation.items()}})
 
-
-def _mean(values: dict[str, float]) -> float:
-    finite = [v for v in values.values() if math.isfinite(v)]
-    return sum(finite) / len(finite) if finite else math.nan

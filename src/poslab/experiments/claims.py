@@ -1,7 +1,7 @@
 """Claims: a paper's statement, its figure, ours, and whether it held -- computed, never typed in.
 
-A ``Claim`` is built by a comparison helper from measured values, so ``held`` always follows from the
-numbers in the same record.
+A ``Claim`` is built from measured values, by a comparison helper below or, for a compound rule, by the
+recipe next to the rule's words; either way ``held`` follows from the numbers in the same record.
 """
 from __future__ import annotations
 
@@ -38,12 +38,12 @@ def within(claim: str, paper: Any, ours: float, low: float, high: float) -> Clai
     return Claim(claim, paper, _round(ours), _finite(ours) and low <= ours <= high, f"{low:g} <= ours <= {high:g}")
 
 
-def exceeds(claim: str, paper: Any, ours: dict[str, float], better: str, worse: str, margin: float = 0.0) -> Claim:
-    """ours[better] > ours[worse] + margin."""
-    a, b = ours[better], ours[worse]
+def exceeds(claim: str, paper: Any, ours: dict[str, float], larger: str, smaller: str, margin: float = 0.0) -> Claim:
+    """ours[larger] > ours[smaller] + margin."""
+    a, b = ours[larger], ours[smaller]
     held = _finite(a, b) and a > b + margin
     return Claim(claim, paper, {k: _round(v) for k, v in ours.items()}, held,
-                 f"{better} > {worse}" + (f" + {margin:g}" if margin else ""))
+                 f"{larger} > {smaller}" + (f" + {margin:g}" if margin else ""))
 
 
 def lowest(claim: str, paper: Any, ours: dict[str, float], best: str) -> Claim:

@@ -188,6 +188,10 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
         return max(r2 for layer, r2 in probe[name][target].items()
                    if layer.startswith("blocks.") and layer.endswith(f"resid_post{stream}"))
 
+    def semantic_stream(name: str) -> str:
+        """".sem" for a model with a separate semantic stream (DSTG), "" (the whole state) otherwise."""
+        return ".sem" if any(layer.endswith(".sem") for layer in probe[name][INTRA]) else ""
+
     def kept_in_last_layer(target: str, what: str) -> claims.Claim:
         """The paper's "stays high in DSTG's last layer, degrades in the baselines": DSTG's last layer above
         every baseline's, and at least 0.9 of DSTG's best block output."""
@@ -210,7 +214,7 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
         claims.exceeds(f"top-2 PCA share of the AP table (positions most sequences reach; {over}): DSTG far "
                        "above AP-NeoBERT (by >= 0.2)",
                        "94.1% vs 23.4%", {"dstg": top2["dstg"], "ap_neobert": top2["ap_neobert"]},
-                       better="dstg", worse="ap_neobert", margin=0.2),
+                       larger="dstg", smaller="ap_neobert", margin=0.2),
         claims.at_least(f"DSTG's top-2 AP components (the {rows} positions most sequences reach; {over}) put "
                         f"nearly all DCT-II power in the first 4 of {rows} bins (share; threshold not recalibrated "
                         "for the shorter table)",
@@ -219,7 +223,7 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
         kept_in_last_layer(TOKEN, "token-level absolute position"),
         claims.all_of("intra-segment position (position in sentence) recoverable from the semantic subspace in "
                       "every model (best block output R^2 >= 0.5; DSTG: its sem stream)", "all models",
-                      {m: best_layer(m, INTRA, ".sem" if m == "dstg" else "") for m in MODELS}, 0.5),
+                      {m: best_layer(m, INTRA, semantic_stream(m)) for m in MODELS}, 0.5),
         claims.Claim("DSTG heads split almost exclusively into structure (AP) and semantic heads, no pure RP "
                      "heads", "structure + semantic, no pure RP", counts,
                      counts.get("structure", 0) > 0 and counts.get("semantic", 0) > 0

@@ -68,7 +68,7 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
     data = extrapolation_analysis(pope, Options(sequences=scale["sequences"], batch_size=8,
                                                 factors=tuple(scale["factors"]), compare=(str(out / "runs" / "rope"),),
                                                 scalings=("yarn", "ntk", "linear"), device=device))
-    curves = {("pope" if name == "pope" else "rope"): r["curves"] for name, r in data["runs"].items()}
+    curves = {name: r["curves"] for name, r in data["runs"].items()}  # run names are their directories
     series = {"pope": curves["pope"]["none"], "rope": curves["rope"]["none"], "rope+yarn": curves["rope"]["yarn"],
               "rope+ntk": curves["rope"]["ntk"], "rope+linear": curves["rope"]["linear"]}
 
@@ -82,11 +82,11 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
         claims.at_most(f"PoPE stays flat: loss at {top}x the training length / loss at 1x", "stable to 10x",
                        growth["pope"], 1.1),
         claims.exceeds(f"RoPE degrades more than PoPE (loss ratio {top}x / 1x)", "RoPE degrades",
-                       {"rope": growth["rope"], "pope": growth["pope"]}, better="rope", worse="pope"),
+                       {"rope": growth["rope"], "pope": growth["pope"]}, larger="rope", smaller="pope"),
         claims.exceeds(f"PoPE beats RoPE + YaRN (evaluation-time, no fine-tuning) at {top}x (loss)",
                        "YaRN degrades past its length", {"rope+yarn": loss_at("rope+yarn", top),
                                                         "pope": loss_at("pope", top)},
-                       better="rope+yarn", worse="pope"),
+                       larger="rope+yarn", smaller="pope"),
     ]
     tables = [{"title": f"Loss against evaluation length (training length {scale['seq_len']} tokens)",
                "columns": ["model", *[f"{f}x" for f in scale["factors"]]],

@@ -9,6 +9,7 @@ frequency carries the same norm) and as the share carried by the fastest quarter
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 from typing import Callable
 
@@ -38,10 +39,6 @@ def spread(profile: list[float]) -> float:
     return float(entropy / math.log(len(profile)))
 
 
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else math.nan
-
-
 def runs(scale_name: str, out: Path) -> dict:
     """The extrapolation recipe's trainings (the models are shared: trained once, by whichever runs first)."""
     return extrapolation.runs(scale_name, out.parent / "extrapolation")
@@ -60,16 +57,16 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
         figures += [rel(run_dir / "analysis" / f, out) for f in data["figures"]]
     # Layer 1 is excluded when there are others, as in the paper's observation (PoPE's first layer differs).
     first = 1 if len(results["pope"]["q"]) > 1 else 0
-    breadth = {s: _mean([spread(row) for w in ("q", "k") for row in d[w][first:]]) for s, d in results.items()}
-    high = {s: _mean([x for w in ("q", "k") for x in d["summary"][w]["high_frequency_share"][first:]])
+    breadth = {s: statistics.fmean(spread(row) for w in ("q", "k") for row in d[w][first:]) for s, d in results.items()}
+    high = {s: statistics.fmean(x for w in ("q", "k") for x in d["summary"][w]["high_frequency_share"][first:])
             for s, d in results.items()}
     result_claims = [
         claims.exceeds("PoPE uses a broader frequency range than RoPE (normalised entropy of q/k norms over "
                        "frequencies, layers >= 2)", "broad vs few", {"pope": breadth["pope"], "rope": breadth["rope"]},
-                       better="pope", worse="rope"),
+                       larger="pope", smaller="rope"),
         claims.exceeds("PoPE puts more weight on the highest frequencies (share of norm in the fastest quarter, "
                        "layers >= 2)", "PoPE uses high ones", {"pope": high["pope"], "rope": high["rope"]},
-                       better="pope", worse="rope"),
+                       larger="pope", smaller="rope"),
     ]
     tables = [{"title": "Frequency usage by layer (normalised entropy of mean q norm over frequencies)",
                "columns": ["layer", *results], "rows": [[i + 1, *[spread(results[s]["q"][i]) for s in results]]

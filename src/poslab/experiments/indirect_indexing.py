@@ -88,7 +88,7 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
     result_claims = [
         claims.exceeds(f"PoPE far above RoPE on indirect indexing (test accuracy, mean over seeds "
                        f"{scale['seeds']}, by >= {scale['margin']:.0%})", "94.82% vs 11.16%",
-                       {"pope": mean["pope"], "rope": mean["rope"]}, better="pope", worse="rope",
+                       {"pope": mean["pope"], "rope": mean["rope"]}, larger="pope", smaller="rope",
                        margin=scale["margin"]),
         claims.at_least(f"PoPE well above chance (>= 3x chance = {3 * chance:.1%}; chance: a random letter of the "
                         "string)", "94.82%", mean["pope"], 3 * chance),

@@ -37,7 +37,7 @@ from poslab.attention import attend
 from poslab.errors import ConfigError, InputError, unknown_key_message
 from poslab.models.dstg_config import DSTGConfig
 from poslab.models.hf import MLMHead, PoslabPreTrainedModel, masked_lm_output
-from poslab.positional import AttentionGeometry, LayerPositional, build_positional
+from poslab.positional import AttentionGeometry, LayerPositional, build_positional, owned_once
 
 Streams = dict[str, torch.Tensor]
 
@@ -226,11 +226,7 @@ class DSTGNeoBertModel(DSTGPreTrainedModel):
             geometry = AttentionGeometry(spec.n_layers, spec.n_heads, spec.head_dim, spec.d_model, spec.max_seq_len,
                                          False)
             _, layer_rp = build_positional(spec.rp, geometry)
-        unique: list[nn.Module] = []
-        for module in layer_rp:
-            if module is not None and all(module is not u for u in unique):
-                unique.append(module)
-        self.layer_positional = nn.ModuleList(unique)
+        self.layer_positional = owned_once(layer_rp)
         self.blocks = nn.ModuleList(DSTGBlock(spec, rp) for rp in layer_rp)
         self.final_norm = StreamNorm(spec.streams, spec.norm_eps)
         self.post_init()

@@ -16,7 +16,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from poslab.errors import ConfigError
 from poslab.models.blocks import Block, make_norm
 from poslab.models.config import ModelConfig
-from poslab.positional import AttentionGeometry, InputPositional, LayerPositional, build_positional
+from poslab.positional import AttentionGeometry, InputPositional, LayerPositional, build_positional, owned_once
 
 # Between transformers 5.17 and 5.24 the KV cache of model outputs and of generate()'s model inputs was
 # renamed from `past_key_values` to `cache` (the old keyword deprecated, not gone): speak the installed one's.
@@ -75,12 +75,7 @@ class PoslabModel(PoslabPreTrainedModel):
                                      spec.causal)
         input_pos, layer_pos = build_positional(spec.positional, geometry)
         self.input_positional = input_pos
-        # Each scheme module is owned once here; blocks hold references (a shared module is saved once).
-        unique: list[nn.Module] = []
-        for module in layer_pos:
-            if module is not None and all(module is not u for u in unique):
-                unique.append(module)
-        self.layer_positional = nn.ModuleList(unique)
+        self.layer_positional = owned_once(layer_pos)
         self.blocks = nn.ModuleList(Block(spec, pos, i) for i, pos in enumerate(layer_pos))
         self.final_norm = make_norm(spec.norm, spec.d_model, spec.norm_eps)
         self.post_init()

@@ -1,6 +1,8 @@
 """Positional schemes: one file each, one registry line each (see ``base.py`` for the interface)."""
 from __future__ import annotations
 
+import torch
+
 from poslab.errors import lookup
 from poslab.positional.absolute import LearnedAbsolute
 from poslab.positional.alibi import ALiBi
@@ -33,7 +35,17 @@ def build_positional(
     return scheme.build(scheme.Options(**config.options), geometry)
 
 
+def owned_once(layer_pos: list[LayerPositional | None]) -> torch.nn.ModuleList:
+    """The distinct per-layer modules, for a model to own: a scheme may hand every layer the same module
+    (RoPE, a shared T5 table), which blocks then hold by reference and the model saves once."""
+    unique: list[LayerPositional] = []
+    for module in layer_pos:
+        if module is not None and all(module is not u for u in unique):
+            unique.append(module)
+    return torch.nn.ModuleList(unique)
+
+
 __all__ = [
     "SCHEMES", "AttentionGeometry", "InputPositional", "LayerPositional", "PositionalConfig", "Scheme",
-    "build_positional", "get_scheme",
+    "build_positional", "get_scheme", "owned_once",
 ]
