@@ -130,11 +130,16 @@ def test_recipes_measure_on_the_analysis_device(tmp_path, monkeypatch):
     assert len(devices) >= 4 and set(devices) == {"cpu:0"}
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
-def test_unwritable_output(tmp_path, capsys):  # pragma: no cover - CI runs as root
+def test_unwritable_output(tmp_path, capsys, monkeypatch):
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
+    if os.geteuid() == 0:  # root writes anywhere (CI runs as root): refuse the write as the kernel would a user
+        def refuse(*args, **kwargs):
+            raise PermissionError(13, "Permission denied")
+        monkeypatch.setattr(runner.tempfile, "NamedTemporaryFile", refuse)
     assert main(["reproduce", "adjacency", "--out", str(locked / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write to output directory" in err and "Permission denied" in err and err.count("\n") == 1
 
 
 def test_output_path_that_is_a_file(tmp_path, capsys):

@@ -4,7 +4,7 @@
 several dot-product terms are concatenated along the head dim (their dot products add up), additive
 biases and masks fold into one float mask. ``eager`` computes each logit term on its own and returns
 them with the attention probabilities, which analysis needs. Both compute the same function
-(tests/test_attention.py).
+(tests/test_models.py::test_eager_and_sdpa_agree, tests/test_pope.py).
 """
 from __future__ import annotations
 

@@ -83,6 +83,7 @@ class DSTGAttention(nn.Module):
         self.__dict__["rp"] = rp
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(b, n, heads * d) -> (b, heads, n, d)."""
         b, n, _ = x.shape
         return x.view(b, n, self.n_heads, -1).transpose(1, 2)
 

@@ -20,6 +20,8 @@ class ALiBiOptions:
 
 
 def alibi_slopes(n_heads: int) -> torch.Tensor:
+    """Press et al.'s per-head slopes, (n_heads,): a geometric sequence from 2^(-8/n) for a power of two n,
+    else the closest power's slopes plus every other one of twice that power's (as Bloom builds them)."""
     def power_of_two_slopes(n: int) -> list[float]:
         start = 2 ** (-8 / n)
         return [start ** (i + 1) for i in range(n)]

@@ -6,7 +6,7 @@ A scheme can touch attention at three points (DESIGN.md), and most use one:
 2. queries and keys -- ``LayerPositional.transform_qk(q, k, q_pos, k_pos)`` rotates them (RoPE) or maps
                        them to magnitudes and phases (PoPE, which returns 2d-wide q/k);
 3. the logits       -- ``LayerPositional.logit_bias(q_pos, k_pos)`` returns an additive
-                       (heads, q_len, k_len) bias (T5 buckets, ALiBi).
+                       (batch or 1, heads, q_len, k_len) bias (T5 buckets, ALiBi).
 
 A scheme is a class registered under a name (``positional/__init__.py``); ``Scheme.build`` makes the
 modules a model needs: at most one input module, and one layer module per attention layer (the same
