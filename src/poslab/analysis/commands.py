@@ -32,7 +32,7 @@ from poslab.positional import InputPositional
 
 STREAMS = ["embed", "embed.*", "blocks.*.resid_post", "blocks.*.resid_post.*"]
 ATTN_OUT = ["blocks.*.attn_out", "blocks.*.attn_out.*"]
-NOT_TARGETS = ("input_ids", "labels", "attention_mask", "position_ids", "doc_id")
+NOT_TARGETS = ("input_ids", "labels", "attention_mask", "doc_id")
 NULL_FEATURES = "cosine, tokens shuffled (null)"
 
 
