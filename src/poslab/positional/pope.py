@@ -64,7 +64,9 @@ class PolarLayer(LayerPositional):
         """The key-phase bias in use, (heads, d), always inside [-2pi, 0]; its gradient reaches raw_delta even
         where the clamp is active, so a component pushed past a bound can come back."""
         raw = self.raw_delta
-        return raw + (raw.clamp(-2 * math.pi, 0.0) - raw).detach()
+        # The value is the clamp exactly (raw + (clamp - raw).detach() rounds past -2pi when raw is far
+        # below it); the added term is zero with an identity gradient.
+        return raw.detach().clamp(-2 * math.pi, 0.0) + (raw - raw.detach())
 
     def transform_qk(self, q, k, q_pos, k_pos):
         return pope_polar(q, q_pos, self.theta), pope_polar(k, k_pos, self.theta, self.delta)
