@@ -60,8 +60,8 @@ def attend(
     # Queries are the last n of the m positions (m > n while decoding with a KV cache).
     mask = mask_bias(n, m, causal=causal, key_padding=key_padding, device=v.device, q_offset=m - n)
     if eager:
-        terms = {name: scale * (q.float() @ k.float().transpose(-1, -2)) for name, (q, k) in qk.items()}
-        terms.update({name: b.float().expand_as(next(iter(terms.values()))) for name, b in biases.items()})
+        terms = {name: scale * (_wide(q) @ _wide(k).transpose(-1, -2)) for name, (q, k) in qk.items()}
+        terms.update({name: _wide(b).expand_as(next(iter(terms.values()))) for name, b in biases.items()})
         logits = sum(terms.values())
         if mask is not None:
             logits = logits + mask
@@ -86,3 +86,8 @@ def attend(
         v_all = F.pad(v_all, (0, q.shape[-1] - d_v))
     out = F.scaled_dot_product_attention(q, k, v_all, attn_mask=additive, is_causal=use_is_causal, scale=scale)
     return out[..., :d_v], None, None
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """At least fp32: half-precision logits lose the analysis' small terms; fp64 stays fp64 (gradcheck)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
