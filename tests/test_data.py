@@ -308,6 +308,15 @@ def test_existing_output_needs_force(prepared, tmp_path):
     ({"tokenizer": {"type": []}}, "unknown tokenizer type"),
     ({"masking": {"style": {}}}, "unknown masking style"),
     ({"source": {"type": ["jsonl"]}}, "unknown source type"),
+    # Every typed field is checked against its annotation when the config is built.
+    ({"tokenizer": {"lowercase": "no"}}, "tokenizer.lowercase must be true or false, got 'no'"),
+    ({"tokenizer": {"vocab_size": True}}, "tokenizer.vocab_size must be an integer, got True"),
+    ({"tokenizer": {"lowercas": True}}, "unknown data.tokenizer key 'lowercas'; did you mean 'lowercase'"),
+    ({"tokenizer": "bert"}, "data.tokenizer must be a mapping, got str"),
+    ({"masking": {"rate": float("nan")}}, "masking.rate must be a finite number"),
+    ({"seq_len": 16.0}, "seq_len must be an integer, got 16.0"),
+    ({"prefetch": "yes"}, "prefetch must be true or false, got 'yes'"),
+    ({"cache_dir": 3}, "cache_dir must be a string or null, got 3"),
 ])
 def test_config_errors(options, message):
     with pytest.raises(ConfigError, match=message):

@@ -1,4 +1,6 @@
 """Backbones: invariances (hypothesis), Hugging Face round trips, generation, bad input."""
+import math
+import re
 import tempfile
 
 import pytest
@@ -9,6 +11,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelF
 
 import poslab
 from poslab.errors import ConfigError, InputError
+from poslab.models import DSTGConfig, ModelConfig
 from poslab.positional import SCHEMES
 
 ALL = sorted(SCHEMES)
@@ -237,3 +240,39 @@ def test_sparse_prediction_is_for_encoders():
         poslab.build_model({"arch": "decoder", "sparse_prediction": True})
     with pytest.raises(ConfigError, match="sparse_prediction must be true or false"):
         poslab.build_model({"arch": "encoder", "sparse_prediction": "yes"})
+
+
+DSTG = {"arch": "dstg", "vocab_size": 30, "n_layers": 1, "n_heads": 4, "d_ap": 8, "d_sem": 24, "max_seq_len": 32}
+
+
+@pytest.mark.parametrize("cls,change,message", [
+    (ModelConfig, {"tie_embeddings": "no"}, "tie_embeddings must be true or false, got 'no'"),
+    (ModelConfig, {"ffn_hidden": 2.5}, "ffn_hidden must be an integer or null, got 2.5"),
+    (ModelConfig, {"init_mean": math.nan}, "init_mean must be a finite number, got nan"),
+    (ModelConfig, {"init_std": math.inf}, "init_std must be a finite number, got inf"),
+    (ModelConfig, {"pad_token_id": 1.5}, "pad_token_id must be an integer or null, got 1.5"),
+    (ModelConfig, {"max_seq_len": True}, "max_seq_len must be an integer, got True"),
+    (ModelConfig, {"norm_eps": "small"}, "norm_eps must be a number, got 'small'"),
+    (ModelConfig, {"attn_backend": None}, "attn_backend must be a string, got None"),
+    (DSTGConfig, {"init_mean": math.nan}, "init_mean must be a finite number, got nan"),
+    (DSTGConfig, {"init_std": math.inf}, "init_std must be a finite number, got inf"),
+    (DSTGConfig, {"pad_token_id": 1.5}, "pad_token_id must be an integer or null, got 1.5"),
+    (DSTGConfig, {"max_seq_len": True}, "max_seq_len must be a positive integer, got True"),
+    (DSTGConfig, {"position_start": True}, "position_start must be an integer, got True"),
+    (DSTGConfig, {"norm_eps": "small"}, "norm_eps must be a number, got 'small'"),
+    (DSTGConfig, {"rp": "t5"}, "rp must be a mapping like {name: t5, options: {}} or null"),
+])
+def test_model_config_fields_are_type_checked_at_construction(cls, change, message):
+    """A wrong type is refused in one line by the dataclass itself, not only by the run config's YAML reader
+    (``tie_embeddings: "no"`` used to be accepted, and tied the embeddings)."""
+    values = {**(DSTG if cls is DSTGConfig else {}), **change}
+    for build in (lambda: cls(**values), lambda: cls.from_dict(values)):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            build()
+
+
+def test_model_config_must_be_a_mapping():
+    with pytest.raises(ConfigError, match="model must be a mapping, got list"):
+        ModelConfig.from_dict([])
+    with pytest.raises(ConfigError, match="dstg model must be a mapping, got str"):
+        DSTGConfig.from_dict("dstg")

@@ -122,6 +122,10 @@ def test_unknown_option_suggests_closest():
     ("pope", {"delta_init": "normal"}, "pope.delta_init must be one of"),
     ("t5", {"num_buckets": 2}, "t5.num_buckets must be >= 4"),
     ("t5", {"num_buckets": 32, "max_distance": 10}, "t5.max_distance must exceed"),
+    ("rope", {"attention_factor": 0.0}, "rope.attention_factor must be > 0"),
+    ("rope", {"attention_factor": -1.3}, "rope.attention_factor must be > 0"),
+    ("rope", {"attention_factor": float("inf")}, "rope.attention_factor must be a finite number"),
+    ("rope", {"truncate": "no"}, "rope.truncate must be true or false, got 'no'"),
 ])
 def test_bad_options_rejected(name, options, message):
     with pytest.raises(ConfigError, match=message):
@@ -135,7 +139,7 @@ def test_options_take_numbers_in_yamls_string_spelling():
 
     assert PoPEOptions(base="1e4").base == 10000.0
     assert RoPEOptions(scaling="yarn", factor="2", original_max_len="2048").original_max_len == 2048
-    with pytest.raises(ConfigError, match="pope.base must be float"):
+    with pytest.raises(ConfigError, match="pope.base must be a number"):
         PoPEOptions(base="ten thousand")
-    with pytest.raises(ConfigError, match="rope.original_max_len must be int"):
+    with pytest.raises(ConfigError, match="rope.original_max_len must be an integer or null"):
         RoPEOptions(original_max_len="2048.5")

@@ -172,7 +172,7 @@ FORMER_ESCAPES: dict[str, list[tuple[list[str] | bytes, str]]] = {
     "model.positional not a mapping": [(["model.positional=[]"], "positional must be a mapping")],
     "model.positional.options not a mapping": [(["model.positional.options=[1]"],
                                                 "positional options must be a mapping")],
-    "positional option of the wrong type": [(["model.positional.options.base=[1]"], "pope.base must be float")],
+    "positional option of the wrong type": [(["model.positional.options.base=[1]"], "pope.base must be a number")],
     "null for a non-optional model number": [(["model.init_std=null"], "model.init_std must be a number")],
     "non-finite number (nan, inf)": [
         (["train.lr=.nan"], "train.lr must be a finite number"),

@@ -302,8 +302,8 @@ def test_tokenizer_round_trip_and_file(tmp_path):
 
 @pytest.mark.parametrize("name, options, message", [
     ("addition", {"max_lenn": 5}, "unknown option for task 'addition' 'max_lenn'; did you mean 'max_len'"),
-    ("addition", {"max_len": "9"}, "addition.max_len must be int, got '9'"),
-    ("addition", {"max_len": True}, "addition.max_len must be int, got True"),
+    ("addition", {"max_len": "9"}, "addition.max_len must be an integer, got '9'"),
+    ("addition", {"max_len": True}, "addition.max_len must be an integer, got True"),
     ("addition", {"min_len": 2}, "addition.min_len must be >= 3"),
     ("reversal", {"min_len": 12, "max_len": 10}, r"reversal.max_len \(10\) must be >= min_len \(12\)"),
     ("reversal", {"train_max_len": 22}, r"train_max_len must lie in \[min_len, max_len\)"),
@@ -312,7 +312,7 @@ def test_tokenizer_round_trip_and_file(tmp_path):
     ("indexing", {"holdout": float("nan")}, "indexing.holdout must be a finite number"),
     ("indexing", {"data_seed": 2**64}, r"indexing.data_seed must lie in \[0, 2\^64\)"),
     ("indexing", {"test_size": 0}, "indexing.test_size must be >= 1"),
-    ("indexing", {"train_size": 2.5}, "indexing.train_size must be int or null"),
+    ("indexing", {"train_size": 2.5}, "indexing.train_size must be an integer or null"),
     ("ordering", {"max_len": 30}, "ordering.max_len must be <= 28"),
     ("ordering", {"min_len": 11, "max_len": 11}, "task 'ordering' has no problem of length in"),
     ("ordering", {"max_len": 13, "train_max_len": 12}, "no problem longer than train_max_len=12"),

@@ -6,6 +6,7 @@ import io
 import itertools
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,39 @@ def test_invalid_values_raise_one_line_config_errors(tmp_path, override, message
     with pytest.raises(ConfigError, match=message) as err:
         load_config(write_config(tmp_path / "c.yaml", tiny_config()), [override])
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"compile": "yes"}, "train.compile must be true or false, got 'yes'"),
+    ({"fsdp": 1}, "train.fsdp must be true or false, got 1"),
+    ({"eps": math.inf}, "train.eps must be a finite number, got inf"),
+    ({"weight_decay": math.inf}, "train.weight_decay must be a finite number, got inf"),
+    ({"grad_clip": math.inf}, "train.grad_clip must be a finite number, got inf"),
+    ({"lr": "fast"}, "train.lr must be a number, got 'fast'"),
+    ({"steps": 2.0}, "train.steps must be an integer, got 2.0"),
+    ({"eval_batches": True}, "train.eval_batches must be an integer or null, got True"),
+    ({"best_metric": None}, "train.best_metric must be a string, got None"),
+    ({"betas": (0.9, "x")}, "train.betas[1] must be a number, got 'x'"),
+    ({"betas": 0.9}, "train.betas must be two numbers in [0, 1), got 0.9"),
+])
+def test_train_config_checks_types_when_built(values, message):
+    """TrainConfig refuses bad values itself, not only when read from YAML (which converts '3e-4' first)."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        TrainConfig(**values)
+
+
+@pytest.mark.parametrize("seed,message", [
+    (-1, "seed must be an integer in [0, 2^63), got -1"),
+    (2**63, "seed must be an integer in [0, 2^63), got 9223372036854775808"),
+    ("0", "seed must be an integer, got '0'"),
+    (True, "seed must be an integer, got True"),
+])
+def test_run_config_checks_the_seed_when_built(seed, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        RunConfig(seed=seed)
+    if isinstance(seed, int) and not isinstance(seed, bool):  # from YAML too, before the data source is built
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            RunConfig.from_dict(tiny_config() | {"seed": seed})
 
 
 def test_malformed_yaml_names_the_line(tmp_path):

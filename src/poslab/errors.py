@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import sys
 import types
@@ -70,22 +71,57 @@ def finite(number: int | float) -> bool:
     return -sys.float_info.max <= number <= sys.float_info.max
 
 
+def is_int(value: Any) -> bool:
+    """Whether value is an int and not a bool (True is an int subclass, so ``max_seq_len: true`` would pass)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# How a message names each annotated type: the words a YAML user knows.
+_TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "null"}
+
+
+def _allowed(hint: Any) -> tuple[Any, ...]:
+    return typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+
+
 def check_type(name: str, value: Any, hint: Any) -> None:
     """Raise ConfigError unless value fits the annotation (int, float, str, bool, or X | None). A float
     must be finite: nan or inf in a config only ever surfaces later as a non-finite loss."""
-    allowed = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    allowed = _allowed(hint)
     for kind in allowed:
         if kind is type(None) and value is None:
             return
         if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
             require(finite(value), f"{name} must be a finite number, got {value!r}")
             return
-        if kind is int and isinstance(value, int) and not isinstance(value, bool):
+        if kind is int and is_int(value):
             return
         if kind in (str, bool) and isinstance(value, kind):
             return
-    names = " or ".join("null" if k is type(None) else k.__name__ for k in allowed)
-    raise ConfigError(f"{name} must be {names}, got {value!r}")
+    raise ConfigError(f"{name} must be {' or '.join(_TYPE_WORDS[k] for k in allowed)}, got {value!r}")
+
+
+def check_fields(config: Any, prefix: str = "") -> None:
+    """check_type on every field of a dataclass whose annotation check_type knows, under the name
+    ``prefix + field``. Called first in a config's ``__post_init__``, so its range checks compare values of
+    the right type and a new field is checked without anyone remembering to; other fields (nested configs,
+    mappings, tuples) are left to the config's own checks."""
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        if all(kind in _TYPE_WORDS for kind in _allowed(hints[f.name])):
+            check_type(prefix + f.name, getattr(config, f.name), hints[f.name])
+
+
+def known_fields(values: Any, cls: type, what: str, kind: str | None = None) -> dict[str, Any]:
+    """``values`` as keyword arguments for dataclass ``cls``, or ConfigError: '<what> must be a mapping' for
+    anything else, 'unknown <kind> ...' with the closest spelling for a key that is not a field (kind
+    defaults to '<what> key')."""
+    require(isinstance(values, dict), f"{what} must be a mapping, got {type(values).__name__}")
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in values:
+        if key not in names:
+            raise ConfigError(unknown_key_message(kind or f"{what} key", key, names))
+    return dict(values)
 
 
 class InputError(PoslabError, ValueError):

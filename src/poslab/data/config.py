@@ -14,27 +14,23 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from poslab.errors import ConfigError, lookup, require, unknown_key_message
+from poslab.errors import ConfigError, check_fields, is_int, known_fields, lookup, require, unknown_key_message
 
 
 def from_dict(cls: type, data: Any, what: str):
-    """Build dataclass ``cls`` from a mapping, naming unknown keys and their closest valid spelling."""
+    """Build dataclass ``cls`` from a mapping (an instance passes as it is), naming unknown keys and their
+    closest valid spelling."""
     if isinstance(data, cls):
         return data
-    require(isinstance(data, dict), f"{what} must be a mapping, got {type(data).__name__}")
-    names = {f.name for f in dataclasses.fields(cls)}
-    for key in data:
-        if key not in names:
-            raise ConfigError(unknown_key_message(f"key in {what}", str(key), names))
-    return cls(**data)
+    return cls(**known_fields(data, cls, what))
 
 
 def _int_range(value: Any, name: str, minimum: int = 0) -> tuple[int, int]:
     """[lo, hi] inclusive; a single integer means [n, n]."""
-    if isinstance(value, int) and not isinstance(value, bool):
+    if is_int(value):
         value = [value, value]
     ok = (isinstance(value, (list, tuple)) and len(value) == 2
-          and all(isinstance(v, int) and not isinstance(v, bool) for v in value))
+          and all(is_int(v) for v in value))
     require(ok, f"{name} must be an integer or a [min, max] pair of integers, got {value!r}")
     lo, hi = value
     require(minimum <= lo <= hi, f"{name} must satisfy {minimum} <= min <= max, got [{lo}, {hi}]")
@@ -65,13 +61,11 @@ class TokenizerConfig:
     def __post_init__(self) -> None:
         from poslab.data.tokenizer import TRAINABLE  # the registry lives with the trainers
 
-        require(self.path is None or isinstance(self.path, str), f"tokenizer.path must be a string, got {self.path!r}")
-        lookup("tokenizer type", self.type, TRAINABLE)
-        require(isinstance(self.vocab_size, int) and self.vocab_size >= 16,
-                f"tokenizer.vocab_size must be an integer >= 16, got {self.vocab_size!r}")
-        require(isinstance(self.min_frequency, int) and self.min_frequency >= 1,
-                f"tokenizer.min_frequency must be an integer >= 1, got {self.min_frequency!r}")
-        require(isinstance(self.train_documents, int) and self.train_documents >= 1,
+        lookup("tokenizer type", self.type, TRAINABLE)  # before check_fields: it names the valid types
+        check_fields(self, "tokenizer.")
+        require(self.vocab_size >= 16, f"tokenizer.vocab_size must be an integer >= 16, got {self.vocab_size!r}")
+        require(self.min_frequency >= 1, f"tokenizer.min_frequency must be an integer >= 1, got {self.min_frequency!r}")
+        require(self.train_documents >= 1,
                 f"tokenizer.train_documents must be an integer >= 1, got {self.train_documents!r}")
         require(isinstance(self.special_tokens, dict), "tokenizer.special_tokens must be a mapping role -> token")
         for role in self.special_tokens:
@@ -104,10 +98,10 @@ class MaskingConfig:
 
     def __post_init__(self) -> None:
         style = lookup("masking style", self.style, MASKING_STYLES)
+        check_fields(self, "masking.")
         if self.rate is None:
             self.rate = style.rate
-        require(isinstance(self.rate, (int, float)) and 0.0 < self.rate < 1.0,
-                f"masking.rate must lie in (0, 1), got {self.rate!r}")
+        require(0.0 < self.rate < 1.0, f"masking.rate must lie in (0, 1), got {self.rate!r}")
 
     @property
     def resolved(self) -> MaskingStyle:
@@ -136,6 +130,7 @@ class DataConfig:
     def __post_init__(self) -> None:
         from poslab.data.sources import parse_source  # validates the source's own options
 
+        check_fields(self)
         self.tokenizer = from_dict(TokenizerConfig, self.tokenizer, "data.tokenizer")
         if self.masking is not None:
             self.masking = from_dict(MaskingConfig, self.masking, "data.masking")
@@ -143,18 +138,14 @@ class DataConfig:
                 "data needs exactly one of 'source' (a corpus to prepare) or 'prepared' (a prepared directory)")
         if self.source is not None:
             parse_source(self.source)
-        require(isinstance(self.seq_len, int) and self.seq_len >= 2,
+        require(self.seq_len >= 2,
                 f"seq_len must be an integer >= 2 ([CLS] plus at least one token), got {self.seq_len!r}")
         require(self.packing or self.seq_len >= 3,
                 f"seq_len must be >= 3 with packing: false ([CLS] and [SEP] take two), got {self.seq_len}")
-        require(isinstance(self.validation_documents, int) and self.validation_documents >= 0,
+        require(self.validation_documents >= 0,
                 f"validation_documents must be an integer >= 0, got {self.validation_documents!r}")
-        require(isinstance(self.shard_tokens, int) and self.shard_tokens >= 1,
-                f"shard_tokens must be a positive integer, got {self.shard_tokens!r}")
-        require(isinstance(self.batch_documents, int) and self.batch_documents >= 1,
-                f"batch_documents must be a positive integer, got {self.batch_documents!r}")
-        for name in ("packing", "structure_labels", "prefetch"):
-            require(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
+        require(self.shard_tokens >= 1, f"shard_tokens must be a positive integer, got {self.shard_tokens!r}")
+        require(self.batch_documents >= 1, f"batch_documents must be a positive integer, got {self.batch_documents!r}")
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "DataConfig":

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from poslab.attention import BACKENDS
-from poslab.errors import ConfigError, require, unknown_key_message
+from poslab.errors import check_fields, known_fields, require
 from poslab.positional import PositionalConfig
 
 ARCHS = ("decoder", "encoder")
@@ -45,15 +45,16 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.positional, dict):
-            self.positional = PositionalConfig(**_known(self.positional, PositionalConfig, "positional"))
+            self.positional = PositionalConfig(**known_fields(self.positional, PositionalConfig, "positional"))
         require(isinstance(self.positional, PositionalConfig),
                 f"positional must be a mapping like {{name: rope, options: {{}}}}, got {self.positional!r}")
+        check_fields(self)
         require(self.arch in ARCHS, f"arch must be one of {', '.join(ARCHS)}, got '{self.arch}'")
         self.norm = self.norm or ("layernorm" if self.arch == "decoder" else "rmsnorm")
         self.mlp = self.mlp or ("gelu" if self.arch == "decoder" else "swiglu")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
             value = getattr(self, name)
-            require(isinstance(value, int) and value > 0, f"{name} must be a positive integer, got {value!r}")
+            require(value > 0, f"{name} must be a positive integer, got {value!r}")
         require(self.d_model % self.n_heads == 0,
                 f"n_heads ({self.n_heads}) must divide d_model ({self.d_model}); change one of them")
         require(self.ffn_hidden is None or self.ffn_hidden > 0, f"ffn_hidden must be positive, got {self.ffn_hidden}")
@@ -65,8 +66,6 @@ class ModelConfig:
                 f"attn_backend must be one of {', '.join(BACKENDS)}, got '{self.attn_backend}'")
         require(self.pad_token_id is None or 0 <= self.pad_token_id < self.vocab_size,
                 f"pad_token_id must lie in [0, vocab_size), got {self.pad_token_id}")
-        require(isinstance(self.sparse_prediction, bool), f"sparse_prediction must be true or false, got "
-                f"{self.sparse_prediction!r}")
         require(not (self.sparse_prediction and self.causal),
                 "sparse_prediction is for masked-LM encoders (arch: encoder); remove it from the decoder's config")
 
@@ -91,14 +90,4 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
-        return cls(**_known(values, cls, "model"))
-
-
-def _known(values: dict[str, Any], cls: type, kind: str) -> dict[str, Any]:
-    if not isinstance(values, dict):
-        raise ConfigError(f"{kind} config must be a mapping, got {type(values).__name__}")
-    names = {f.name for f in dataclasses.fields(cls)}
-    for key in values:
-        if key not in names:
-            raise ConfigError(unknown_key_message(f"{kind} key", key, names))
-    return dict(values)
+        return cls(**known_fields(values, cls, "model"))

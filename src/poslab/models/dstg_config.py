@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from poslab.attention import BACKENDS
-from poslab.errors import ConfigError, require, unknown_key_message
+from poslab.errors import check_fields, is_int, known_fields, require
 from poslab.positional import PositionalConfig
 
 #: Relative schemes DSTG can take: those that only add a (heads, n, m) logit bias.
@@ -58,22 +58,25 @@ class DSTGConfig:
     def __post_init__(self) -> None:
         require(self.arch == "dstg", f"a DSTG config needs arch 'dstg', got '{self.arch}'")
         if isinstance(self.rp, dict):
-            self.rp = PositionalConfig(**_known(self.rp, PositionalConfig, "rp"))
+            self.rp = PositionalConfig(**known_fields(self.rp, PositionalConfig, "rp"))
+        require(self.rp is None or isinstance(self.rp, PositionalConfig),
+                f"rp must be a mapping like {{name: t5, options: {{}}}} or null for no relative bias, got {self.rp!r}")
         for name in ("vocab_size", "n_layers", "n_heads", "d_sem", "max_seq_len"):
             value = getattr(self, name)
-            require(_is_int(value) and value > 0, f"{name} must be a positive integer, got {value!r}")
-        require(_is_int(self.d_ap) and self.d_ap >= 0,
+            require(is_int(value) and value > 0, f"{name} must be a positive integer, got {value!r}")
+        require(is_int(self.d_ap) and self.d_ap >= 0,
                 f"d_ap must be a non-negative integer (0 switches absolute position off), got {self.d_ap!r}")
         for name in ("d_ap", "d_sem"):
             value = getattr(self, name)
             require(value % self.n_heads == 0,
                     f"{name} ({value}) must be divisible by n_heads ({self.n_heads}): each head gets {name}/n_heads "
                     f"value dims; use a multiple of {self.n_heads} or another head count")
-        require(self.qk_head_dim is None or (_is_int(self.qk_head_dim) and self.qk_head_dim > 0),
+        require(self.qk_head_dim is None or (is_int(self.qk_head_dim) and self.qk_head_dim > 0),
                 f"qk_head_dim must be a positive integer (one per-head q/k size for both streams) or null for "
                 f"(d_ap + d_sem) / n_heads, got {self.qk_head_dim!r}")
-        require(self.ffn_hidden is None or (_is_int(self.ffn_hidden) and self.ffn_hidden > 0),
+        require(self.ffn_hidden is None or (is_int(self.ffn_hidden) and self.ffn_hidden > 0),
                 f"ffn_hidden must be a positive integer or null, got {self.ffn_hidden!r}")
+        check_fields(self)  # the sizes above first, for their messages; then every other field's type
         require(self.d_ap == 0 or 1 <= self.ffn_ap < self.ffn_size,
                 f"ffn_hidden ({self.ffn_size}) is too small to give both streams hidden units at the d_ap/d_model "
                 f"share ({self.d_ap}/{self.d_model}); raise ffn_hidden")
@@ -82,7 +85,7 @@ class DSTGConfig:
                     f"rp.name must be one of {', '.join(RP_SCHEMES)} (or rp: null for no relative bias), "
                     f"got '{self.rp.name}'")
         require(self.position_start in (0, 1), f"position_start must be 0 or 1, got {self.position_start!r}")
-        require(_is_int(self.position_offset_max) and self.position_offset_max >= 0,
+        require(is_int(self.position_offset_max) and self.position_offset_max >= 0,
                 f"position_offset_max must be a non-negative integer (0 = no random offset), "
                 f"got {self.position_offset_max!r}")
         require(self.init_std > 0, f"init_std must be > 0, got {self.init_std}")
@@ -91,8 +94,6 @@ class DSTGConfig:
                 f"attn_backend must be one of {', '.join(DSTG_BACKENDS)} for DSTG, got '{self.attn_backend}'")
         require(self.pad_token_id is None or 0 <= self.pad_token_id < self.vocab_size,
                 f"pad_token_id must lie in [0, vocab_size), got {self.pad_token_id}")
-        require(isinstance(self.sparse_prediction, bool), f"sparse_prediction must be true or false, got "
-                f"{self.sparse_prediction!r}")
 
     @property
     def causal(self) -> bool:
@@ -135,7 +136,7 @@ class DSTGConfig:
     def from_dict(cls, values: dict[str, Any]) -> DSTGConfig:
         for key, hint in ENCODER_KEYS.items():
             require(not isinstance(values, dict) or key not in values, f"DSTG has no '{key}': {hint}")
-        return cls(**_known(values, cls, "dstg model"))
+        return cls(**known_fields(values, cls, "dstg model"))
 
 
 #: Encoder keys a DSTG config replaces, and with what (a config copied from a baseline trips on these).
@@ -143,17 +144,3 @@ ENCODER_KEYS = {
     "d_model": "its width is d_ap + d_sem; set those instead",
     "positional": "absolute position is the d_ap stream and relative position is 'rp'; set those instead",
 }
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _known(values: Any, cls: type, kind: str) -> dict[str, Any]:
-    if not isinstance(values, dict):
-        raise ConfigError(f"{kind} config must be a mapping, got {type(values).__name__}")
-    names = {f.name for f in dataclasses.fields(cls)}
-    for key in values:
-        if key not in names:
-            raise ConfigError(unknown_key_message(f"{kind} key", key, names))
-    return dict(values)

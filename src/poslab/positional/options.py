@@ -5,7 +5,7 @@ import dataclasses
 import typing
 from typing import Any
 
-from poslab.errors import ConfigError, check_type, parse_number, unknown_key_message
+from poslab.errors import check_type, known_fields, parse_number
 
 
 def options_dataclass(cls):
@@ -13,13 +13,11 @@ def options_dataclass(cls):
     checks each value against its annotation before the scheme's own ``__post_init__`` compares it."""
     cls = dataclasses.dataclass(frozen=True)(cls)
     init = cls.__init__
-    fields = {f.name for f in dataclasses.fields(cls)}
 
     def __init__(self, **kwargs: Any) -> None:
         hints = typing.get_type_hints(cls)
+        kwargs = known_fields(kwargs, cls, f"{cls.scheme} options", f"option for positional scheme '{cls.scheme}'")
         for key, value in kwargs.items():
-            if key not in fields:
-                raise ConfigError(unknown_key_message(f"option for positional scheme '{cls.scheme}'", key, fields))
             kwargs[key] = _yaml_number(value, hints[key])
             check_type(f"{cls.scheme}.{key}", kwargs[key], hints[key])
         init(self, **kwargs)

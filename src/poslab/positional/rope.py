@@ -45,6 +45,9 @@ class RoPEOptions:
                 f"rope.original_max_len must be positive, got {self.original_max_len}")
         require(self.beta_fast > self.beta_slow > 0,
                 f"rope needs beta_fast > beta_slow > 0, got {self.beta_fast} and {self.beta_slow}")
+        require(self.attention_factor is None or self.attention_factor > 0,
+                f"rope.attention_factor must be > 0 (it multiplies cos and sin) or null for 0.1 ln(factor) + 1, "
+                f"got {self.attention_factor}")
 
 
 def yarn_mscale(factor: float) -> float:

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import typing
 from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from poslab.errors import ConfigError, check_type, require, unknown_key_message
+from poslab.errors import check_fields, known_fields, require
 
 
 class Ragged(NamedTuple):
@@ -116,9 +115,7 @@ class TaskOptions:
     data_seed: int = 0
 
     def __post_init__(self) -> None:
-        hints = typing.get_type_hints(type(self))
-        for f in dataclasses.fields(self):
-            check_type(f"{self.task}.{f.name}", getattr(self, f.name), hints[f.name])
+        check_fields(self, f"{self.task}.")
         t = self.task
         require(self.min_len >= self.shortest, f"{t}.min_len must be >= {self.shortest}, got {self.min_len}")
         require(self.max_len >= self.min_len,
@@ -135,11 +132,7 @@ class TaskOptions:
 
 
 def parse_options(cls: type[TaskOptions], options: dict[str, Any]) -> TaskOptions:
-    fields = {f.name for f in dataclasses.fields(cls)}
-    for key in options:
-        if key not in fields:
-            raise ConfigError(unknown_key_message(f"option for task '{cls.task}'", key, fields))
-    return cls(**options)
+    return cls(**known_fields(options, cls, f"task '{cls.task}' options", f"option for task '{cls.task}'"))
 
 
 class Task(abc.ABC):

@@ -15,7 +15,6 @@ spelling. ``--set train.lr=1e-3`` overrides parse their value as YAML.
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 import types
 import typing
@@ -26,7 +25,7 @@ from typing import Any
 import yaml
 
 from poslab.batches import SOURCES, BatchSource, build_batch_source
-from poslab.errors import ConfigError, finite, lookup, parse_number, require, unknown_key_message
+from poslab.errors import ConfigError, check_fields, check_type, finite, known_fields, lookup, parse_number, require
 from poslab.models import ARCHS, DSTGConfig, ModelConfig
 
 # arch -> its typed model config (poslab.models.ARCHS names the builders of the same archs).
@@ -73,6 +72,7 @@ class TrainConfig:
     device: str = "auto"
 
     def __post_init__(self) -> None:
+        check_fields(self, "train.")
         for name in ("steps", "batch_size", "grad_accum", "log_every"):
             require(getattr(self, name) >= 1, f"train.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("warmup_steps", "eval_every", "checkpoint_every"):
@@ -81,11 +81,14 @@ class TrainConfig:
                 f"train.grad_accum ({self.grad_accum}) must divide train.batch_size ({self.batch_size})")
         require(self.warmup_steps <= self.steps,
                 f"train.warmup_steps ({self.warmup_steps}) must not exceed train.steps ({self.steps})")
-        require(self.lr > 0 and math.isfinite(self.lr), f"train.lr must be a positive number, got {self.lr}")
+        require(self.lr > 0, f"train.lr must be a positive number, got {self.lr}")
         require(0 <= self.min_lr <= self.lr, f"train.min_lr must lie in [0, train.lr={self.lr}], got {self.min_lr}")
         require(self.weight_decay >= 0, f"train.weight_decay must be >= 0, got {self.weight_decay}")
-        require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
-                f"train.betas must be two numbers in [0, 1), got {list(self.betas)}")
+        require(isinstance(self.betas, (tuple, list)) and len(self.betas) == 2,
+                f"train.betas must be two numbers in [0, 1), got {self.betas!r}")
+        for i, beta in enumerate(self.betas):
+            check_type(f"train.betas[{i}]", beta, float)
+        require(all(0 <= b < 1 for b in self.betas), f"train.betas must be two numbers in [0, 1), got {list(self.betas)}")
         require(self.eps > 0, f"train.eps must be > 0, got {self.eps}")
         require(self.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip}")
         require(self.eval_batch_size is None or self.eval_batch_size >= 1,
@@ -123,11 +126,15 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
+    def __post_init__(self) -> None:
+        check_fields(self)
+        require(0 <= self.seed < 2**63, f"seed must be an integer in [0, 2^63), got {self.seed}")
+
     @classmethod
     def from_dict(cls, raw: Any) -> RunConfig:
         """Validate a parsed YAML mapping; a null ``model.vocab_size`` is read from the data source."""
         require(isinstance(raw, dict), f"a run config must be a mapping of seed/model/data/train, got {type(raw).__name__}")
-        _reject_unknown(raw, [f.name for f in dataclasses.fields(cls)], "top-level key")
+        known_fields(raw, cls, "a run config", "top-level key")
         seed = _coerce(int, raw.get("seed", 0), "seed")
         data_raw = dict(_mapping(raw.get("data", {}), "data"))
         data = DataConfig(kind=data_raw.pop("kind", DataConfig.kind), options=data_raw)
@@ -141,7 +148,7 @@ class RunConfig:
                   else v for k, v in model_raw.items()}
         if values.get("vocab_size") is None:
             # Everything else is checked first: building the source may mean preparing a corpus.
-            model_cls.from_dict(values | {"vocab_size": sys.maxsize})
+            cls(seed=seed, model=model_cls.from_dict(values | {"vocab_size": sys.maxsize}), data=data, train=train)
             values["vocab_size"] = data.build(seed).vocab_size
         return cls(seed=seed, model=model_cls.from_dict(values), data=data, train=train)
 
@@ -198,17 +205,10 @@ def _mapping(value: Any, section: str) -> dict[str, Any]:
     return value
 
 
-def _reject_unknown(values: dict[str, Any], valid: list[str], kind: str) -> None:
-    for key in values:
-        if key not in valid:
-            raise ConfigError(unknown_key_message(kind, str(key), valid))
-
-
 def _build_dataclass(cls: type, values: dict[str, Any], section: str) -> Any:
     """cls(**values) with each value checked and converted to its annotated type."""
-    _reject_unknown(values, [f.name for f in dataclasses.fields(cls)], f"{section} key")
     hints = typing.get_type_hints(cls)
-    return cls(**{k: _coerce(hints[k], v, f"{section}.{k}") for k, v in values.items()})
+    return cls(**{k: _coerce(hints[k], v, f"{section}.{k}") for k, v in known_fields(values, cls, section).items()})
 
 
 def _coerce(kind: Any, value: Any, key: str) -> Any:
@@ -227,9 +227,6 @@ def _coerce(kind: Any, value: Any, key: str) -> Any:
         require(isinstance(value, (list, tuple)) and len(value) == len(args),
                 f"{key} must be a list of {len(args)} values, got {value!r}")
         return tuple(_coerce(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
-    if kind is bool:
-        require(isinstance(value, bool), f"{key} must be true or false, got {value!r}")
-        return value
     if kind in (int, float):
         number = parse_number(value)
         require(number is not None, f"{key} must be a number, got {value!r}")
@@ -239,9 +236,6 @@ def _coerce(kind: Any, value: Any, key: str) -> Any:
         # nan and inf pass the range checks (nan compares false, inf > 0) and only surface as a NaN loss.
         require(finite(number), f"{key} must be a finite number, got {value!r}")
         return float(number)
-    if kind is str:
-        require(isinstance(value, str), f"{key} must be a string, got {value!r}")
+    if kind in (bool, str):
+        check_type(key, value, kind)
     return value
-
-
-

@@ -102,7 +102,6 @@ class Trainer:
                 f"({world} x {cfg.grad_accum})")
         require(world > 1 or not cfg.fsdp, "train.fsdp shards the model over several processes: launch with "
                                            "torchrun --nproc_per_node N, or set train.fsdp: false")
-        require(0 <= config.seed < 2**63, f"seed must be an integer in [0, 2^63), got {config.seed}")
         require(not (resume and overwrite), "--resume and --overwrite exclude each other; pick one")
         require(not out_dir.exists() or out_dir.is_dir(), f"output path {out_dir} exists and is not a directory")
         self.notes: list[str] = []  # one-line reports for the log, once the monitor exists
