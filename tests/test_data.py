@@ -323,6 +323,12 @@ def test_config_errors(options, message):
         _config(**options)
 
 
+def test_sources_declare_their_splits(prepared):
+    """What a run may name as train.eval_split, known before training starts."""
+    assert build_mlm_source(0, prepared=str(prepared)).splits == ("train", "validation")
+    assert build_lm_source(0, prepared=str(prepared)).splits == ("train", "validation")
+
+
 def test_source_level_errors(prepared):
     with pytest.raises(ConfigError, match="masking applies to masked-LM data"):
         build_lm_source(0, prepared=str(prepared), masking={"style": "bert"})

@@ -25,7 +25,7 @@ from poslab.train import RunConfig, TrainConfig, TrainingDiverged, load_config, 
 from poslab.train import checkpoint as ckpt
 from poslab.train import trainer as trainer_module
 from poslab.train.cli import register
-from poslab.train.evaluation import evaluate
+from poslab.train.evaluation import evaluate, metrics
 from poslab.train.monitor import Monitor
 from poslab.train.optim import lr_factor, param_groups
 
@@ -345,6 +345,38 @@ def test_bad_vocab_sequence_length_and_lone_fsdp_are_config_errors(tmp_path):
     assert not any((tmp_path / name).exists() for name in "abc")  # refused before writing anything
 
 
+@pytest.mark.parametrize("model,train_options,message", [
+    ({}, {"best_metric": "exact_macth"},
+     "unknown train.best_metric 'exact_macth'; did you mean 'exact_match'? (valid: exact_match, loss, token_accuracy)"),
+    ({}, {"best_metric": "tokens"}, "unknown train.best_metric 'tokens'"),  # counts, not metrics
+    ({}, {"best_metric": "examples"}, "unknown train.best_metric 'examples'"),
+    ({"arch": "encoder"}, {"best_metric": "exact_match"},  # only a decoder on a task scores whole answers
+     "unknown train.best_metric 'exact_match' (valid: loss, token_accuracy)"),
+    ({}, {"eval_split": "valid"},
+     "unknown train.eval_split 'valid'; did you mean 'validation'? (valid: test, validation)"),
+    ({}, {"eval_split": "test_long"}, "unknown train.eval_split 'test_long'"),  # only with data.train_max_len
+])
+def test_bad_evaluation_names_are_refused_before_the_first_step(tmp_path, monkeypatch, model, train_options, message):
+    """With eval_every 0 the first evaluation is the final one: a name it cannot find must not cost the run."""
+    monkeypatch.setattr(trainer_module.Trainer, "_train_step", lambda self, step: pytest.fail("a step ran"))
+    raw = tiny_config(eval_every=0, checkpoint_every=1, **train_options)
+    raw["model"].update(model)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        train(RunConfig.from_dict(raw), tmp_path / "run")
+    assert not (tmp_path / "run").exists()  # refused before writing anything
+
+
+@pytest.mark.parametrize("arch", ["decoder", "encoder"])
+def test_best_metric_choices_are_what_the_evaluation_reports(arch):
+    raw = tiny_config()
+    raw["model"]["arch"] = arch
+    config = RunConfig.from_dict(raw)
+    reported = evaluate(build_model(config.model), config.data.build(config.seed), config, torch.device("cpu"),
+                        torch.autocast("cpu", enabled=False))
+    assert set(metrics(config)) <= set(reported) and set(reported) - set(metrics(config)) <= {"tokens", "examples"}
+    assert ("exact_match" in metrics(config)) == (arch == "decoder")
+
+
 def test_cli_writes_run_and_plain_progress_lines(tmp_path, capsys):
     path = write_config(tmp_path / "c.yaml", tiny_config())
     parser = argparse.ArgumentParser(prog="poslab")
@@ -375,12 +407,13 @@ def test_cli_errors_are_one_line_and_exit_2(tmp_path, capsys):
         [str(path), "--out", str(tmp_path / "b"), "--set", "train.lrr=1"],
         [str(path), "--out", str(tmp_path / "c"), "--resume"],
         [str(path), "--out", str(tmp_path / "d"), "--resume", "--overwrite"],
+        [str(path), "--out", str(tmp_path / "e"), "--set", "train.best_metric=exact_macth"],
     ]
     for argv in cases:
         assert poslab.cli.main(["train", *argv]) == 2
         err = capsys.readouterr().err
         assert err.startswith("poslab") and err.count("\n") == 1, err
-    assert not any((tmp_path / name).exists() for name in "abcd")  # nothing written on error
+    assert not any((tmp_path / name).exists() for name in "abcde")  # nothing written on error
     assert poslab.cli.main(["train", str(path), "--out", str(tmp_path / "ok")]) == 0
 
 

@@ -32,7 +32,7 @@ class TextBatchSource(abc.ABC):
     """A ``poslab.batches.BatchSource`` over a prepared corpus; ``MLMSource`` and ``LMSource`` label it.
 
     Attributes: ``vocab_size``, ``tokenizer`` (transformers PreTrainedTokenizerFast), ``pad_token_id``,
-    ``seq_len``, ``corpus`` (PreparedCorpus).
+    ``seq_len``, ``corpus`` (PreparedCorpus), ``splits``.
     """
 
     def __init__(self, seed: int, config: DataConfig, corpus: PreparedCorpus) -> None:
@@ -48,6 +48,11 @@ class TextBatchSource(abc.ABC):
     @property
     def tokenizer(self):
         return self.corpus.tokenizer
+
+    @property
+    def splits(self) -> tuple[str, ...]:
+        """The splits ``eval_batches`` reads: every prepared one, train included."""
+        return tuple(self.corpus.splits)
 
     # -- layout -------------------------------------------------------------------------------------
     def _chunks(self, split: str) -> tuple[np.ndarray, np.ndarray]:

@@ -43,7 +43,8 @@ class TrainConfig:
     micro-steps): a run's result does not depend on how many processes share it. ``eval_batches`` caps
     the generic evaluation (loss and token accuracy); task sources evaluate their whole split, whose
     size is a data option (``validation_size``). ``best_metric`` names an evaluation metric (loss,
-    token_accuracy, exact_match for tasks) and ``best_mode`` whether lower or higher is better.
+    token_accuracy, exact_match for tasks) and ``best_mode`` whether lower or higher is better; it and
+    ``eval_split`` are checked against the data and model when training starts, before the first step.
     ``precision`` auto is bf16 autocast on CUDA and fp32 on CPU; ``device`` auto prefers CUDA.
     """
 

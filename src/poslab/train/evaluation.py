@@ -5,6 +5,9 @@ the answer). Every other pairing gets loss and accuracy over the labelled tokens
 the same target alignment as training: a causal model's logits at i are scored against labels at i + 1.
 Every rank evaluates the whole split (the numbers agree without a reduction, and FSDP's per-layer
 gathers need all ranks in the forward anyway), so keep evaluation sets small.
+
+``check`` refuses a split or ``train.best_metric`` that the evaluation would not find before training
+starts: with ``eval_every: 0`` the first evaluation is the final one, and failing there loses the run.
 """
 from __future__ import annotations
 
@@ -15,7 +18,32 @@ import torch
 
 from poslab import tasks
 from poslab.batches import BatchSource
+from poslab.errors import ConfigError, unknown_key_message
 from poslab.train.config import RunConfig
+
+# The metrics train.best_metric can name; evaluate() also reports counts (tokens, and examples for tasks).
+METRICS = ("loss", "token_accuracy")
+ANSWER_METRICS = (*METRICS, "exact_match")
+
+
+def _scores_answers(config: RunConfig) -> bool:
+    """Whether evaluation scores whole answers (a causal model on a task) rather than labelled tokens."""
+    return config.data.kind == "task" and config.model.causal
+
+
+def metrics(config: RunConfig) -> tuple[str, ...]:
+    """The metrics ``evaluate`` reports for this data and model that ``train.best_metric`` may name."""
+    return ANSWER_METRICS if _scores_answers(config) else METRICS
+
+
+def check(config: RunConfig, source: BatchSource) -> None:
+    """ConfigError naming the valid choices unless ``source`` has ``train.eval_split`` and the evaluation
+    reports ``train.best_metric``."""
+    train = config.train
+    if train.eval_split not in source.splits:
+        raise ConfigError(unknown_key_message("train.eval_split", train.eval_split, source.splits))
+    if train.best_metric not in metrics(config):
+        raise ConfigError(unknown_key_message("train.best_metric", train.best_metric, metrics(config)))
 
 
 def targets(labels: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -32,7 +60,7 @@ def evaluate(model: torch.nn.Module, source: BatchSource, config: RunConfig, dev
     was_training = model.training
     model.eval()
     try:
-        if config.data.kind == "task" and causal:
+        if _scores_answers(config):
             def logits_of(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
                 with autocast:
                     return model(input_ids=ids, attention_mask=mask).logits

@@ -37,8 +37,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from poslab.errors import CheckpointError, ConfigError, DataError, PoslabError, require
 from poslab.models import build_model
 from poslab.train import checkpoint as ckpt
+from poslab.train import evaluation
 from poslab.train.config import RunConfig, load_config
-from poslab.train.evaluation import evaluate, targets
 from poslab.train.lock import LOCK_FILE, RunLock, RunLocked
 from poslab.train.monitor import METRICS_FILE, Monitor, truncate_metrics
 from poslab.train.optim import build_optimizer, build_scheduler
@@ -132,6 +132,7 @@ class Trainer:
         parallel.barrier()  # every rank has looked before rank 0 touches the directory
 
         self.source = config.data.build(config.seed)
+        evaluation.check(config, self.source)
         require(config.model.vocab_size >= self.source.vocab_size,
                 f"model.vocab_size ({config.model.vocab_size}) is smaller than the data's vocabulary "
                 f"({self.source.vocab_size}); set model.vocab_size: null to take it from the data")
@@ -252,7 +253,7 @@ class Trainer:
         self._check_width(batch)
         inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
         micro = [dict(zip(inputs, parts)) for parts in zip(*(v.tensor_split(cfg.grad_accum) for v in inputs.values()))]
-        counts = [int((targets(mb["labels"], causal) != -100).sum()) for mb in micro]
+        counts = [int((evaluation.targets(mb["labels"], causal) != -100).sum()) for mb in micro]
         total = int(par.sum(torch.tensor(sum(counts))))
         if total == 0:
             raise DataError(f"the training batch of step {step + 1} has no labelled token (all labels are -100)")
@@ -306,16 +307,13 @@ class Trainer:
             "data_fraction": window["data_seconds"] / window["seconds"]})
 
     def _evaluate(self, log: bool = True) -> tuple[int, dict[str, float]]:
-        metrics = evaluate(unwrap(self.model), self.source, self.config, self.device, self.autocast)
+        metrics = evaluation.evaluate(unwrap(self.model), self.source, self.config, self.device, self.autocast)
         ckpt.crash_point("evaluate")
         if self.monitor is not None and log:
             self.monitor.log_eval(self.step, metrics)
         if metrics.get("tokens") and not math.isfinite(metrics["loss"]):  # finite logits give a finite loss
             self._diverged(f"evaluation loss is {metrics['loss']} at step {self.step}")
         name, mode = self.cfg.best_metric, self.cfg.best_mode
-        if name not in metrics:
-            raise ConfigError(f"train.best_metric '{name}' is not an evaluation metric here "
-                              f"(available: {', '.join(metrics)})")
         value = metrics[name]
         best = self.best if self.best is not None and self.best["metric"] == name else None  # metric changed
         better = math.isfinite(value) and (best is None or (value < best["value"] if mode == "min"
