@@ -323,6 +323,13 @@ def test_config_errors(options, message):
         _config(**options)
 
 
+def test_prepare_dict_is_the_preparation_fields():
+    config = _config(seq_len=16, packing=False)
+    assert list(config.prepare_dict()) == ["source", "tokenizer", "validation_documents", "shard_tokens"]
+    assert config.prepare_dict() == _config(seq_len=64).prepare_dict()  # reading options do not re-prepare
+    assert config.prepare_dict()["tokenizer"]["vocab_size"] == 600
+
+
 def test_sources_declare_their_splits(prepared):
     """What a run may name as train.eval_split, known before training starts."""
     assert build_mlm_source(0, prepared=str(prepared)).splits == ("train", "validation")

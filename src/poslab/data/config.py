@@ -109,6 +109,7 @@ class MaskingConfig:
         return MaskingStyle(rate=float(self.rate), mask_prob=base.mask_prob, random_prob=base.random_prob)
 
 
+# What determines the prepared shards: a prepared directory records them, and the cache is keyed by them.
 PREPARE_FIELDS = ("source", "tokenizer", "validation_documents", "shard_tokens")
 
 
@@ -153,5 +154,5 @@ class DataConfig:
 
     def prepare_dict(self) -> dict[str, Any]:
         """The part of the config that determines the prepared shards (JSON-able)."""
-        return {"source": self.source, "tokenizer": dataclasses.asdict(self.tokenizer),
-                "validation_documents": self.validation_documents, "shard_tokens": self.shard_tokens}
+        values = dataclasses.asdict(self)
+        return {name: values[name] for name in PREPARE_FIELDS}

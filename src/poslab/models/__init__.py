@@ -25,6 +25,7 @@ AutoConfig.register("dstg_neobert", DSTGNeoBertConfig, exist_ok=True)
 AutoModel.register(DSTGNeoBertConfig, DSTGNeoBertModel, exist_ok=True)
 AutoModelForMaskedLM.register(DSTGNeoBertConfig, DSTGNeoBertForMaskedLM, exist_ok=True)
 
+
 def build_poslab(values: dict[str, Any]):
     config = PoslabConfig(poslab=ModelConfig.from_dict(values).to_dict())
     return PoslabForCausalLM(config) if config.spec.causal else PoslabForMaskedLM(config)
@@ -38,12 +39,6 @@ ARCHS: dict[str, tuple[type, Callable[[dict[str, Any]], Any]]] = {
 }
 
 
-def model_config(values: dict[str, Any]) -> ModelConfig | DSTGConfig:
-    """The validated config dataclass of ``values['arch']`` (default decoder)."""
-    config_cls, _ = lookup("arch", values.get("arch", "decoder"), ARCHS)
-    return config_cls.from_dict(values)
-
-
 def build_model(config: dict[str, Any] | ModelConfig | DSTGConfig):
     """A ready model (LM head for decoders, MLM head for encoders and DSTG) from a config dict or dataclass."""
     values = config.to_dict() if hasattr(config, "to_dict") else dict(config)
@@ -51,5 +46,5 @@ def build_model(config: dict[str, Any] | ModelConfig | DSTGConfig):
     return builder(config_cls.from_dict(values).to_dict())
 
 
-__all__ = ["ARCHS", "ActivationCache", "DSTGConfig", "ModelConfig", "model_config", "PoslabConfig", "PoslabForCausalLM",
+__all__ = ["ARCHS", "ActivationCache", "DSTGConfig", "ModelConfig", "PoslabConfig", "PoslabForCausalLM",
            "PoslabForMaskedLM", "PoslabModel", "build_model"]

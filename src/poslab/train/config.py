@@ -28,8 +28,6 @@ from poslab.batches import SOURCES, BatchSource, build_batch_source
 from poslab.errors import ConfigError, check_fields, check_type, finite, known_fields, lookup, parse_number, require
 from poslab.models import ARCHS, DSTGConfig, ModelConfig
 
-# arch -> its typed model config (poslab.models.ARCHS names the builders of the same archs).
-
 PRECISIONS = ("auto", "fp32", "bf16")
 SCHEDULES = ("cosine", "constant")
 DEVICES = ("auto", "cpu", "cuda")
