@@ -97,6 +97,15 @@ def test_alibi_slopes_any_head_count(heads):
         torch.testing.assert_close(slopes, torch.tensor(expected))
 
 
+@pytest.mark.parametrize("heads", [1, 3, 5, 6, 8, 12, 20, 64])
+def test_alibi_slopes_match_bloom(heads):
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+    # Bloom's bias for a key at position p is slope * p: read the slopes off position 1.
+    theirs = build_alibi_tensor(torch.ones(1, 2), heads, torch.float32)[:, 0, 1]
+    torch.testing.assert_close(alibi_slopes(heads), theirs, rtol=1e-6, atol=0)
+
+
 def test_sinusoidal_matches_vaswani():
     geometry = AttentionGeometry(1, 2, 8, 16, 64, True)
     inp, _ = build_positional(PositionalConfig("sinusoidal"), geometry)

@@ -25,6 +25,8 @@ from poslab.errors import lookup
 @runtime_checkable
 class BatchSource(Protocol):
     vocab_size: int
+    #: the evaluation splits ``eval_batches`` serves; checked against train.eval_split before training
+    splits: tuple[str, ...]
 
     def train_batch(self, step: int, batch_size: int, rank: int = 0, world_size: int = 1) -> dict[str, torch.Tensor]:
         """Rank ``rank``'s share (batch_size // world_size rows) of the global batch of ``step``."""
@@ -32,6 +34,10 @@ class BatchSource(Protocol):
 
     def eval_batches(self, split: str, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
         """Every example of a fixed evaluation split ('validation', 'test', ...), in order."""
+        ...
+
+    def sequence_batches(self, split: str, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
+        """What analyses read: the split's sequences as the data is (a masked LM's text unmasked)."""
         ...
 
 

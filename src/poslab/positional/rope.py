@@ -90,6 +90,7 @@ def _yarn_inv_freq(opts: RoPEOptions, dim: int, original_max_len: int, inv_freq:
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(..., d) -> (..., d): [-x2, x1], each (i, i + d/2) pair turned by 90 degrees."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
@@ -126,8 +127,10 @@ class RotaryLayer(LayerPositional):
         inv_freq, scaling = self.frequencies(q_pos, k_pos)
         cos_q, sin_q = rope_cos_sin(inv_freq, q_pos, scaling)
         cos_k, sin_k = (cos_q, sin_q) if k_pos is q_pos else rope_cos_sin(inv_freq, k_pos, scaling)
-        q_rot = (q.float() * cos_q + rotate_half(q.float()) * sin_q).to(q.dtype)
-        k_rot = (k.float() * cos_k + rotate_half(k.float()) * sin_k).to(k.dtype)
+        # At least fp32 (half-precision rotations drift at large positions); fp64 stays fp64.
+        wide = torch.promote_types(q.dtype, torch.float32)
+        q_rot = (q.to(wide) * cos_q + rotate_half(q.to(wide)) * sin_q).to(q.dtype)
+        k_rot = (k.to(wide) * cos_k + rotate_half(k.to(wide)) * sin_k).to(k.dtype)
         return q_rot, k_rot
 
     def qk_frequency_norms(self, q, k):
