@@ -12,7 +12,10 @@ Layout of a prepared directory::
 Storing a sentence row per token (4 bytes) instead of six label arrays keeps shards small (about 7 bytes
 per token in all with uint16 ids); every per-token label is recomputed from the row and the token index
 when a batch is read. Documents never straddle shards. Splits: the first ``validation_documents``
-documents form ``validation``, the rest ``train``.
+documents form ``validation``, the rest ``train``. An evaluation-only preparation (``evaluation_only``:
+a corpus that only measures a model trained on another, such as PG-19 for length extrapolation) reads
+just the first ``validation_documents`` documents and has no ``train`` split; its manifest says so and
+its cache key differs from the ordinary preparation's of the same config.
 
 Memory stays flat: documents stream from the source in batches of ``batch_documents``, a shard is held
 in memory until ``shard_tokens`` tokens are reached and then written, so peak memory is about one shard
@@ -184,7 +187,11 @@ def _batches(docs: Iterator[Document], size: int) -> Iterator[list[Document]]:
         yield batch
 
 
-def _write(config: DataConfig, root: Path, log: Callable[[str], None]) -> dict[str, Any]:
+def _write(config: DataConfig, root: Path, log: Callable[[str], None],
+           evaluation_only: bool = False) -> dict[str, Any]:
+    if evaluation_only and not config.validation_documents:
+        raise DataError("an evaluation-only corpus is its validation split: set validation_documents > 0 "
+                        "(how many documents to evaluate on)")
     source = open_source(config.source)
     tcfg = config.tokenizer
     if tcfg.path is not None:
@@ -198,14 +205,19 @@ def _write(config: DataConfig, root: Path, log: Callable[[str], None]) -> dict[s
     vocab_size = len(hf)
     token_dtype = np.dtype(np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32)
 
-    writers = {"train": ShardWriter(root / "train", config.shard_tokens, token_dtype, ids.sep)}
+    writers = {}
+    if not evaluation_only:
+        writers["train"] = ShardWriter(root / "train", config.shard_tokens, token_dtype, ids.sep)
     if config.validation_documents:
         writers["validation"] = ShardWriter(root / "validation", config.shard_tokens, token_dtype, ids.sep)
+    documents = source.documents()
+    if evaluation_only:  # nothing past the validation documents is read (a streamed corpus may be huge)
+        documents = itertools.islice(documents, config.validation_documents)
     start, n_docs, pending = time.perf_counter(), 0, []
     # Tokenisation runs in Rust with the GIL released: a worker thread encodes one batch while this thread
     # labels and writes the previous one and reads and segments the next.
     with ThreadPoolExecutor(max_workers=1) as pool:
-        for batch in _batches(source.documents(), config.batch_documents):
+        for batch in _batches(documents, config.batch_documents):
             cut = min(len(batch), max(0, config.validation_documents - n_docs))  # the first K documents validate
             submitted = []
             for split, part, first in (("validation", batch[:cut], n_docs), ("train", batch[cut:], n_docs + cut)):
@@ -222,12 +234,13 @@ def _write(config: DataConfig, root: Path, log: Callable[[str], None]) -> dict[s
     splits = {name: w.summary() for name, w in writers.items()}
     if sum(split["tokens"] for split in splits.values()) == 0:
         raise DataError("the corpus is empty: the source yielded no document with text")
-    if splits["train"]["tokens"] == 0:
+    if not evaluation_only and splits["train"]["tokens"] == 0:
         raise DataError(f"no training documents: the corpus has {n_docs} documents and validation_documents takes "
                         f"{config.validation_documents}; lower validation_documents")
     manifest = {
         "version": MANIFEST_VERSION,
         "config": config.prepare_dict(),
+        "evaluation_only": evaluation_only,
         "synthetic_grammar": GRAMMAR_VERSION,
         "tokenizer": {"directory": "tokenizer", "vocab_size": vocab_size, "special_ids": ids.__dict__,
                       "origin": origin},
@@ -244,11 +257,11 @@ def _write(config: DataConfig, root: Path, log: Callable[[str], None]) -> dict[s
 
 
 def prepare(config: DataConfig, out: str | Path, *, force: bool = False,
-            log: Callable[[str], None] = lambda message: None) -> dict[str, Any]:
+            log: Callable[[str], None] = lambda message: None, evaluation_only: bool = False) -> dict[str, Any]:
     """Prepare ``config``'s source into ``out`` atomically; returns the manifest.
 
     An existing ``out`` is an error unless ``force``, in which case it is replaced only after the new
-    directory is complete.
+    directory is complete. ``evaluation_only``: only the validation split (see the module docstring).
     """
     if config.source is None:
         raise DataError("nothing to prepare: the data config names 'prepared' instead of a 'source'")
@@ -258,7 +271,7 @@ def prepare(config: DataConfig, out: str | Path, *, force: bool = False,
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        manifest = _write(config, tmp, log)
+        manifest = _write(config, tmp, log, evaluation_only)
         if out.exists():
             old = out.parent / f".{out.name}.old-{secrets.token_hex(4)}"
             out.rename(old)
@@ -275,29 +288,32 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("POSLAB_CACHE", Path.home() / ".cache" / "poslab")) / "data"
 
 
-def prepare_key(config: DataConfig) -> str:
+def prepare_key(config: DataConfig, evaluation_only: bool = False) -> str:
     """Cache directory name: a hash of the preparation settings and of the versions of the shard format,
     the synthetic grammar and tokenizer training, so that changing any prepares afresh instead of reusing
-    stale data."""
+    stale data. An evaluation-only preparation has its own key (the ordinary keys are unchanged)."""
     content = {"prepare": config.prepare_dict(), "format": MANIFEST_VERSION, "grammar": GRAMMAR_VERSION,
                "tokenizer_training": TRAINING_VERSION}
+    if evaluation_only:
+        content["evaluation_only"] = True
     return hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def ensure_prepared(config: DataConfig, log: Callable[[str], None] = lambda message: None) -> Path:
+def ensure_prepared(config: DataConfig, log: Callable[[str], None] = lambda message: None, *,
+                    evaluation_only: bool = False) -> Path:
     """The prepared directory for ``config``: ``prepared`` itself, or a cache entry keyed by the content
     hash of the preparation settings, prepared now if missing (concurrent preparers: the first rename
-    wins, the others discard their copy)."""
+    wins, the others discard their copy). ``evaluation_only``: only the validation split."""
     if config.prepared is not None:
         path = Path(config.prepared)
         if not (path / "manifest.json").is_file():
             raise DataError(f"{path} is not a prepared data directory (no manifest.json); run 'poslab data prepare'")
         return path
-    path = Path(config.cache_dir or default_cache_dir()) / prepare_key(config)
+    path = Path(config.cache_dir or default_cache_dir()) / prepare_key(config, evaluation_only)
     if not (path / "manifest.json").is_file():
         log(f"preparing data into cache {path}")
         try:
-            prepare(config, path, log=log)
+            prepare(config, path, log=log, evaluation_only=evaluation_only)
         except (DataError, OSError):  # another process may have renamed its copy into place first
             if not (path / "manifest.json").is_file():
                 raise
