@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import pytest
 import torch
+import yaml
 
 from poslab.analysis import cli
 from poslab.analysis.capture import collect, run_with_cache
@@ -224,3 +226,145 @@ def test_bad_input_errors(runs, tmp_path):
             analyze(*argv)
         _one_line(err.value)
     assert not (runs / "rope" / "analysis" / "spectra.json").exists()
+
+
+# ---- extrapolation on another corpus (eval_data) ------------------------------------------------------------
+
+def lm_config(cache) -> dict:
+    return {"seed": 0,
+            "model": {"arch": "decoder", "vocab_size": None, "d_model": 32, "n_layers": 1, "n_heads": 2,
+                      "max_seq_len": 16, "positional": {"name": "rope"}},
+            "data": {"kind": "lm", "source": {"type": "synthetic", "documents": 40, "seed": 0},
+                     "tokenizer": {"type": "bpe", "vocab_size": 300, "train_documents": 30,
+                                   "special_tokens": {"mask": None}},
+                     "validation_documents": 8, "seq_len": 16, "cache_dir": str(cache)},
+            "train": {"steps": 2, "batch_size": 4, "warmup_steps": 0, "eval_batches": 1}}
+
+
+@pytest.fixture(scope="module")
+def lm_run(tmp_path_factory):
+    """A tiny causal LM trained on the synthetic corpus, and a JSONL corpus of other text to evaluate it on."""
+    root = tmp_path_factory.mktemp("lm")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    train(RunConfig.from_dict(lm_config(root / "cache")), root / "run")
+    torch.set_num_threads(threads)
+    words = ["the river", "an old sailor", "a quiet village", "the long winter", "her letters", "the captain"]
+    verbs = ["remembered", "crossed", "described", "waited for", "wrote about", "returned to"]
+    lines = []
+    for d in range(12):  # "books": long paragraphs of one voice, nothing like the synthetic grammar
+        paragraphs = ["\n".join(f"{words[(d + s) % 6].capitalize()} {verbs[(d * s + p) % 6]} {words[(s + p) % 6]} "
+                                f"in chapter {d + 1}." for s in range(8)) for p in range(5)]
+        lines.append(json.dumps({"text": "\n\n".join(paragraphs)}))
+    (root / "books.jsonl").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def books(root, documents: int = 6) -> dict:
+    return {"source": {"type": "jsonl", "paths": str(root / "books.jsonl")}, "validation_documents": documents}
+
+
+def test_extrapolation_on_another_corpus_uses_the_runs_tokenizer(lm_run):
+    from poslab.analysis.extrapolation import evaluation_config
+    from poslab.data import PreparedCorpus
+    from poslab.data.config import TokenizerConfig
+    from poslab.data.tokenizer import train_tokenizer
+
+    run = Run.load(lm_run / "run")
+    evaluated = evaluation_config(run.config, books(lm_run))
+    assert evaluated.train.eval_split == "validation" and evaluated.data.kind == "lm"
+    corpus = PreparedCorpus(evaluated.data.options["prepared"])
+    own = run.config.data.build(0).corpus
+    assert corpus.directory != own.directory and corpus.manifest["evaluation_only"]
+    assert list(corpus.splits) == ["validation"] and corpus.splits["validation"].n_documents == 6
+    assert corpus.manifest["documents_read"] == 6  # of 12: nothing past the evaluated documents is read
+    # The run's own tokenizer, loaded from its prepared data: same vocabulary, same ids, same special tokens.
+    assert str(own.directory / "tokenizer") in corpus.manifest["tokenizer"]["origin"]
+    assert corpus.tokenizer.get_vocab() == own.tokenizer.get_vocab()
+    assert corpus.vocab_size == run.config.model.vocab_size
+    assert corpus.special_ids == own.special_ids and corpus.special_ids["mask"] is None
+    text = "The captain waited for her letters in chapter 3."
+    assert corpus.tokenizer(text)["input_ids"] == own.tokenizer(text)["input_ids"]
+    # What the model reads: the books, tokenised with those ids.
+    first = evaluated.data.build(0).sequence_batches("validation", 1)
+    assert corpus.tokenizer.decode(next(first)["input_ids"][0, 1:12]).lower().startswith("the river")
+
+    other = evaluate_lengths(run.config, run.model, [16, 32], sequences=4, batch_size=2, eval_data=books(lm_run))
+    mine = evaluate_lengths(run.config, run.model, [16, 32], sequences=4, batch_size=2)
+    assert [r["factor"] for r in other] == [1.0, 2.0]
+    assert all(math.isfinite(r["loss"]) and r["tokens"] > 0 for r in other + mine)
+    assert all(abs(a["loss"] - b["loss"]) > 1e-3 for a, b in zip(other, mine))
+    # Cached: a second evaluation reads the same prepared corpus, unless its tokenizer is no longer the run's
+    # (the run's data prepared again since): then it is prepared again.
+    assert evaluation_config(run.config, books(lm_run)).data.options["prepared"] == str(corpus.directory)
+    stale = train_tokenizer(TokenizerConfig(type="bpe", vocab_size=64), ["another tokenizer"] * 4)
+    stale.save(str(corpus.directory / "tokenizer" / "tokenizer.json"))
+    assert PreparedCorpus(corpus.directory).tokenizer.get_vocab() != own.tokenizer.get_vocab()
+    assert evaluation_config(run.config, books(lm_run)).data.options["prepared"] == str(corpus.directory)
+    assert PreparedCorpus(corpus.directory).tokenizer.get_vocab() == own.tokenizer.get_vocab()
+    # A prepared directory is read as it is (its vocabulary has the model's size).
+    assert evaluation_config(run.config, {"prepared": str(corpus.directory)}).data.options["prepared"] == \
+        str(corpus.directory)
+
+
+def test_eval_data_refusals_are_one_line(lm_run, runs, tmp_path):
+    from poslab.data.config import TokenizerConfig
+    from poslab.data.tokenizer import train_tokenizer
+
+    run = Run.load(lm_run / "run")
+    tok = train_tokenizer(TokenizerConfig(type="bpe", vocab_size=64), ["a small other vocabulary"] * 4)
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    assert tok.get_vocab_size() != run.config.model.vocab_size
+    cases = [({**books(lm_run), "tokenizer": {"path": str(tmp_path / "tok")}}, ConfigError, "vocabulary but the model"),
+             ({**books(lm_run), "validation_documents": 0}, DataError, "validation_documents > 0"),
+             ({**books(lm_run), "seq_len": 64}, ConfigError, "cannot set seq_len"),
+             ({**books(lm_run), "kind": "mlm"}, ConfigError, "run's data kind 'lm'"),
+             ({**books(lm_run), "sorce": {}}, ConfigError, "did you mean 'source'"),
+             ({"packin": False}, ConfigError, "did you mean 'packing'"),
+             ({"masking": {"style": "bert"}}, ConfigError, "masking applies to masked-LM data")]
+    for eval_data, kind, message in cases:
+        with pytest.raises(kind, match=message) as err:
+            evaluate_lengths(run.config, run.model, [16], sequences=2, batch_size=2, eval_data=eval_data)
+        _one_line(err.value)
+    with pytest.raises(ConfigError, match="applies to text data") as err:
+        evaluate_lengths(Run.load(runs / "rope").config, run.model, [5], eval_data=books(lm_run))
+    _one_line(err.value)
+
+
+def test_extrapolation_cli_eval_data(lm_run, tmp_path, capsys):
+    from poslab.cli import main
+
+    good = tmp_path / "books.yaml"
+    good.write_text(yaml.safe_dump(books(lm_run, 4)))
+    assert analyze("extrapolation", "--run", str(lm_run / "run"), "--eval-data", str(good), "--sequences", "2",
+                   "--batch-size", "2", "--factors", "1", "2", "--scalings", "yarn") == 0
+    data = json.loads((lm_run / "run" / "analysis" / "extrapolation.json").read_text())
+    assert data["eval_data"] == books(lm_run, 4)
+    curves = data["runs"]["run"]["curves"]
+    assert set(curves) == {"none", "yarn"}
+    assert all(math.isfinite(r["loss"]) for records in curves.values() for r in records)
+    bad = {"bad.yaml": "source: [unclosed\n", "list.yaml": "- source\n- packing\n", "empty.yaml": ""}
+    for name, text in {**bad, "missing.yaml": None}.items():
+        if text is not None:
+            (tmp_path / name).write_text(text)
+        capsys.readouterr()
+        assert main(["analyze", "extrapolation", "--run", str(lm_run / "run"),
+                     "--eval-data", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("poslab: error: --eval-data") and err.count("\n") == 1 and name in err
+
+
+def test_extrapolation_recipe_evaluates_the_paper_scale_on_pg19(tmp_path):
+    """The paper's test set at paper scale (checked without downloading); quick and smoke read their own data."""
+    from poslab.data.config import DataConfig
+    from poslab.experiments import extrapolation as recipe
+
+    paper = recipe.eval_data(recipe.SCALES["paper"])
+    assert paper["source"] == {"type": "hf", "name": "emozilla/pg19", "split": "test", "streaming": True,
+                               "text_field": "text"}
+    assert paper["validation_documents"] == 100 and "tokenizer" not in paper  # the run's own tokenizer
+    assert recipe.eval_data(recipe.SCALES["quick"]) is None and recipe.eval_data(recipe.SCALES["smoke"]) is None
+    section = recipe.run_config(recipe.SCALES["paper"], "pope", tmp_path)["data"]
+    merged = {k: v for k, v in section.items() if k != "kind"} | paper
+    assert DataConfig.from_options(merged).source["name"] == "emozilla/pg19"  # valid over the run's data section

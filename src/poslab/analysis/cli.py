@@ -6,8 +6,11 @@ KIND: adjacency, variance, probes, spectra, heads, frequencies, extrapolation (s
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+from typing import Any
 
 import torch
+import yaml
 
 from poslab.errors import ConfigError, unknown_key_message
 
@@ -38,6 +41,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--scalings", nargs="*", default=list(defaults.scalings), choices=list(ROPE_SCALINGS),
                    help="extrapolation: RoPE scalings applied at evaluation to rope runs")
     p.add_argument("--compare", nargs="*", default=[], metavar="DIR", help="extrapolation: more runs on the figure")
+    p.add_argument("--eval-data", default=None, metavar="FILE.yaml",
+                   help="extrapolation: evaluate on another corpus: a YAML mapping of data options over the run's "
+                        "(e.g. poslab/configs/data/pg19_eval.yaml), prepared with the run's own tokenizer")
     p.set_defaults(func=run)
 
 
@@ -54,12 +60,30 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--threshold must lie in (0, 1] and --factors must be positive")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"--device {args.device}: no CUDA device here; use --device cpu")
+    eval_data = load_eval_data(args.eval_data) if args.eval_data else None
     opts = Options(sequences=args.sequences, batch_size=args.batch_size, split=args.split,
                    probe_steps=args.probe_steps, max_classes=args.max_classes, threshold=args.threshold,
                    factors=tuple(args.factors), scalings=tuple(args.scalings), compare=tuple(args.compare),
                    checkpoint=args.checkpoint, device=args.device,
-                   targets=tuple(args.targets) if args.targets else None)
+                   targets=tuple(args.targets) if args.targets else None, eval_data=eval_data)
     run_ = Run.load(args.run, args.checkpoint, args.device)
     result = ANALYSES[args.kind](run_, opts)
     print(f"{args.kind}: wrote {run_.out_dir / (args.kind + '.json')} and {', '.join(result['figures'])}")
     return 0
+
+
+def load_eval_data(path: str) -> dict[str, Any]:
+    """The mapping in ``--eval-data FILE``; ConfigError (one line) for a missing, unreadable or invalid file."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--eval-data: no such file: {path}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"--eval-data: cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--eval-data: {path} is not valid YAML: {str(err).splitlines()[0]}") from None
+    if not isinstance(raw, dict) or not raw:
+        got = "an empty mapping" if isinstance(raw, dict) else "nothing" if raw is None else f"a {type(raw).__name__}"
+        raise ConfigError(f"--eval-data: {path} must hold a mapping of data options (e.g. source, "
+                          f"validation_documents), got {got}")
+    return raw

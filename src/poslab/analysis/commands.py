@@ -52,6 +52,7 @@ class Options:
     checkpoint: str | None = None
     device: str = "cpu"
     targets: tuple[str, ...] | None = None
+    eval_data: dict | None = None  # extrapolation: data overrides evaluated instead of the run's own data
 
 
 def _models(run: Run) -> list[tuple[str, nn.Module]]:
@@ -333,18 +334,20 @@ def frequencies(run: Run, opts: Options) -> dict:
 
 def extrapolation(run: Run, opts: Options) -> dict:
     """Loss and accuracy against evaluation length for this run and --compare runs; RoPE runs also with
-    linear / NTK / YaRN scaling at evaluation."""
+    linear / NTK / YaRN scaling at evaluation. --eval-data evaluates every run on that corpus instead of its
+    own data, with the run's own tokenizer (``poslab.analysis.extrapolation.evaluation_config``)."""
     runs = [run] + [Run.load(path, opts.checkpoint, opts.device) for path in opts.compare]
-    data: dict = {"factors": list(opts.factors), "runs": {}}
+    data: dict = {"factors": list(opts.factors), "eval_data": opts.eval_data, "runs": {}}
     loss, acc = {}, {}
     for r in runs:
         base = training_length(r.config)
         lengths = [max(1, round(f * base)) for f in opts.factors]
-        curves = {"none": evaluate_lengths(r.config, r.model, lengths, opts.sequences, opts.batch_size)}
+        curves = {"none": evaluate_lengths(r.config, r.model, lengths, opts.sequences, opts.batch_size,
+                                           eval_data=opts.eval_data)}
         if r.config.model.to_dict().get("positional", {}).get("name") == "rope":
             for scaling in opts.scalings:
                 curves[scaling] = rope_scaled_lengths(r.config, r.model, lengths, scaling, opts.sequences,
-                                                      opts.batch_size)
+                                                      opts.batch_size, eval_data=opts.eval_data)
         data["runs"][r.name] = {"dir": str(r.dir), "training_length": base, "curves": curves}
         for scaling, records in curves.items():
             key = r.name if scaling == "none" else f"{r.name} +{scaling}"

@@ -3,6 +3,10 @@
 PoPE and RoPE language models are trained on the same text at sequence length L; RoPE is also
 evaluated with YaRN (and linear / dynamic-NTK) scaling applied at evaluation time. The paper's claim:
 PoPE stays flat where RoPE degrades. The PoPE and RoPE runs are reused by the frequencies recipe.
+
+Where the evaluation reads: the quick and smoke scales evaluate on their own (synthetic) data at the longer
+lengths; the paper scale, like the paper, on the PG-19 test books (``eval_data``: configs/data/pg19_eval.yaml,
+prepared with the runs' own tokenizer), since FineWeb windows past ~1k tokens stitch unrelated documents.
 """
 from __future__ import annotations
 
@@ -25,17 +29,17 @@ SCALES = {
     "quick": {"data": "lm_quick.yaml", "documents": 3000, "tokenizer_documents": 1000, "seq_len": 64,
               "model": {"d_model": 128, "n_layers": 2, "n_heads": 4},
               "train": {"steps": 400, "batch_size": 32, "lr": 2e-3, "min_lr": 2e-4, "warmup_steps": 40},
-              "factors": (1, 2, 4, 8, 10), "sequences": 32},
+              "factors": (1, 2, 4, 8, 10), "sequences": 32, "eval_data": None},
     "smoke": {"data": "lm_quick.yaml", "documents": 60, "tokenizer_documents": 30, "seq_len": 16,
               "model": {"d_model": 32, "n_layers": 1, "n_heads": 2},
               "train": {"steps": 3, "batch_size": 8, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 1},
-              "factors": (1, 2), "sequences": 8},
+              "factors": (1, 2), "sequences": 8, "eval_data": None},
     # The paper trains 124M-774M models at 1024 tokens on OpenWebText and evaluates on PG-19 up to 10240.
     "paper": {"data": "lm_paper.yaml", "documents": None, "tokenizer_documents": None, "seq_len": 1024,
               "model": {"d_model": 768, "n_layers": 12, "n_heads": 12},
               "train": {"steps": 100000, "batch_size": 512, "lr": 6e-4, "min_lr": 6e-5, "warmup_steps": 2000,
                         "betas": [0.9, 0.95]},
-              "factors": (1, 2, 4, 6, 8, 10), "sequences": 256},
+              "factors": (1, 2, 4, 6, 8, 10), "sequences": 256, "eval_data": "pg19_eval.yaml"},
 }
 
 
@@ -56,6 +60,11 @@ def run_config(scale: dict, scheme: str, out: Path) -> dict:
     }
 
 
+def eval_data(scale: dict) -> dict | None:
+    """The data the scale evaluates on instead of the runs' own (``Options.eval_data``), or None."""
+    return yaml.safe_load((DATA_DIR / scale["eval_data"]).read_text()) if scale.get("eval_data") else None
+
+
 def runs(scale_name: str, out: Path) -> dict:
     """The trainings: scheme -> (run config, run directory)."""
     return {scheme: (run_config(SCALES[scale_name], scheme, out), out / "runs" / scheme) for scheme in SCHEMES}
@@ -65,9 +74,11 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
     scale = SCALES[scale_name]
     ensure_runs(runs(scale_name, out), log, jobs)
     pope = Run.load(out / "runs" / "pope", device=device)
+    evaluated = eval_data(scale)
     data = extrapolation_analysis(pope, Options(sequences=scale["sequences"], batch_size=8,
                                                 factors=tuple(scale["factors"]), compare=(str(out / "runs" / "rope"),),
-                                                scalings=("yarn", "ntk", "linear"), device=device))
+                                                scalings=("yarn", "ntk", "linear"), device=device,
+                                                eval_data=evaluated))
     curves = {name: r["curves"] for name, r in data["runs"].items()}  # run names are their directories
     series = {"pope": curves["pope"]["none"], "rope": curves["rope"]["none"], "rope+yarn": curves["rope"]["yarn"],
               "rope+ntk": curves["rope"]["ntk"], "rope+linear": curves["rope"]["linear"]}
@@ -88,9 +99,12 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
                                                         "pope": loss_at("pope", top)},
                        larger="rope+yarn", smaller="pope"),
     ]
-    tables = [{"title": f"Loss against evaluation length (training length {scale['seq_len']} tokens)",
+    source = (evaluated or {}).get("source") or {}
+    corpus = f", evaluated on {source.get('name') or source['type']} {source.get('split', '')}" if source else ""
+    corpus = corpus.rstrip()
+    tables = [{"title": f"Loss against evaluation length (training length {scale['seq_len']} tokens{corpus})",
                "columns": ["model", *[f"{f}x" for f in scale["factors"]]],
                "rows": [[name, *[loss_at(name, f) for f in scale["factors"]]] for name in series]}]
     figures = [rel(pope.out_dir / f, out) for f in data["figures"]]
     return RecipeResult("extrapolation", scale_name, result_claims, figures=figures, tables=tables,
-                        details={"growth": growth, "curves": series})
+                        details={"growth": growth, "curves": series, "eval_data": evaluated})
