@@ -92,6 +92,8 @@ def test_unknown_recipe_lists_valid_ones(capsys):
     assert main(["reproduce", "adjacencyy"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "did you mean 'adjacency'" in err and "indirect-indexing" in err
+    assert main(["reproduce", "all", "bogus"]) == 2
+    assert "'all' runs every recipe, so give it alone" in capsys.readouterr().err
 
 
 def test_unknown_scale_and_missing_name(capsys, tmp_path):

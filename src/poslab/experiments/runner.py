@@ -73,6 +73,8 @@ def machine(jobs: int = 1) -> dict[str, Any]:
 def resolve(names: list[str]) -> list[str]:
     if names == ["all"]:
         return list(RECIPES)
+    if "all" in names:
+        raise ConfigError(f"'all' runs every recipe, so give it alone, not with {', '.join(n for n in names if n != 'all')}")
     for name in names:
         if name not in RECIPES:
             raise ConfigError(unknown_key_message("recipe", name, list(RECIPES) + ["all"]))
