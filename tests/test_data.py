@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -295,6 +296,26 @@ def test_existing_output_needs_force(prepared, tmp_path):
     prepare(_config(source={**SYNTH, "documents": 40}), out, force=True)
     assert json.loads((out / "manifest.json").read_text())["documents_read"] == 40
     assert _siblings(out) == ["d"]
+    # A preparation that fails keeps the prepared directory it would have replaced.
+    with pytest.raises(DataError, match="validation_documents takes 10"):
+        prepare(_config(source={**SYNTH, "documents": 10}), out, force=True)
+    assert json.loads((out / "manifest.json").read_text())["documents_read"] == 40 and _siblings(out) == ["d"]
+
+
+def test_force_replaces_only_an_empty_or_prepared_directory(tmp_path):
+    """A mistyped --out with --force is refused before anything is read or written, not deleted."""
+    (tmp_path / "notes.txt").write_text("keep me")
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "main.py").write_text("keep me too")
+    for name, what in (("notes.txt", "is not a directory"), ("project", "is a directory of other files")):
+        with pytest.raises(DataError, match=f"--force replaces only an empty or a prepared data directory.*{what}"):
+            prepare(_config(), tmp_path / name, force=True)
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+    assert (tmp_path / "project" / "main.py").read_text() == "keep me too"
+    assert _siblings(tmp_path / "notes.txt") == ["notes.txt", "project"]
+    (tmp_path / "empty").mkdir()
+    prepare(_config(source={**SYNTH, "documents": 30}), tmp_path / "empty", force=True)
+    assert (tmp_path / "empty" / "manifest.json").is_file()
 
 
 @pytest.mark.parametrize("options, message", [
@@ -377,12 +398,35 @@ def test_cli_prepare(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert "train: 1 documents, 3 sentences" in out and "replaced 1 invalid UTF-8" in err
     assert json.loads((tmp_path / "o" / "manifest.json").read_text())["invalid_utf8_replaced"] == 1
-    with pytest.raises(PoslabError, match="no such config file"):
+    with pytest.raises(PoslabError, match="cannot read config .*none.yaml: No such file"):
         load_data_config(str(tmp_path / "none.yaml"), [])
     with pytest.raises(ConfigError, match="seq_len must be an integer >= 2"):
         run_prepare(parser.parse_args(["data", "prepare", str(config), "--out", str(tmp_path / "p"),
                                        "--set", "seq_len=1"]))
     assert not (tmp_path / "p").exists()
+
+
+def test_cli_bad_config_files_and_overrides_are_one_line(tmp_path, capsys, monkeypatch):
+    """Read as `train` reads a run config: a binary or UTF-16 file, a --set value that is not YAML and an
+    empty path each get one line (they were a UnicodeDecodeError, a yaml ParserError, 'Is a directory')."""
+    from poslab.cli import main
+
+    monkeypatch.chdir(tmp_path)  # where an empty path leads, should the refusal fail
+    text = "source: {type: synthetic, documents: 20}\n"
+    files = {"binary.yaml": b"v\x14\xe4\x01{\xa8", "utf16.yaml": text.encode("utf-16"), "good.yaml": text.encode()}
+    for name, content in files.items():
+        (tmp_path / name).write_bytes(content)
+    cases = [([str(tmp_path / "binary.yaml")], "binary.yaml is not UTF-8 text"),
+             ([str(tmp_path / "utf16.yaml")], "utf16.yaml is not UTF-8 text"),
+             ([str(tmp_path / "good.yaml"), "--set", "source.documents=[1"], "--set source.documents: value '\\[1'"),
+             ([""], "the config path is empty"),
+             ([str(tmp_path / "good.yaml"), "--out", ""], "argument --out: the path is empty")]
+    for argv, message in cases:
+        out = ["--out", str(tmp_path / "out")] if "--out" not in argv else []
+        assert main(["data", "prepare", *argv, *out]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("poslab: error: ") and err.count("\n") == 1 and re.search(message, err), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(files)
 
 
 def test_shipped_data_configs_validate():

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
-from typing import Any
 
-import yaml
-
+from poslab.arguments import path_argument, read_yaml
 from poslab.data.config import DataConfig
 from poslab.data.preparation import prepare
 from poslab.errors import ConfigError
+from poslab.train.config import apply_override
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,40 +23,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                         "corpus) into DIR: shards of token ids and structure labels, the "
                                         "tokenizer and manifest.json. DIR appears only when complete.")
     p.add_argument("config", help="YAML data config (or a run config with a 'data' section)")
-    p.add_argument("--out", required=True, help="directory to create")
-    p.add_argument("--force", action="store_true", help="replace DIR if it exists (after the new one is complete)")
+    p.add_argument("--out", required=True, type=path_argument, help="directory to create")
+    p.add_argument("--force", action="store_true",
+                   help="replace DIR if it is a prepared data directory (after the new one is complete)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a value, e.g. --set source.documents=500 (repeatable; values are YAML)")
     p.set_defaults(func=run_prepare)
 
 
 def load_data_config(path: str, overrides: list[str]) -> DataConfig:
-    try:
-        raw = yaml.safe_load(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"no such config file: {path}") from None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from None
+    raw = read_yaml(path)
     if isinstance(raw, dict) and isinstance(raw.get("data"), dict):
         raw = raw["data"]
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a mapping (a data section or a run config with 'data')")
     raw = {k: v for k, v in raw.items() if k != "kind"}
     for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--set expects KEY=VALUE, got '{item}'")
-        _assign(raw, key.split("."), yaml.safe_load(value) if value else "")
+        apply_override(raw, item)
     return DataConfig.from_options(raw)
-
-
-def _assign(tree: dict[str, Any], keys: list[str], value: Any) -> None:
-    for key in keys[:-1]:
-        node = tree.setdefault(key, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"cannot set '{'.'.join(keys)}': '{key}' is not a mapping")
-        tree = node
-    tree[keys[-1]] = value
 
 
 def run_prepare(args: argparse.Namespace) -> int:

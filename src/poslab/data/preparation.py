@@ -261,13 +261,19 @@ def prepare(config: DataConfig, out: str | Path, *, force: bool = False,
     """Prepare ``config``'s source into ``out`` atomically; returns the manifest.
 
     An existing ``out`` is an error unless ``force``, in which case it is replaced only after the new
-    directory is complete. ``evaluation_only``: only the validation split (see the module docstring).
+    directory is complete, and only if it is an empty or a prepared directory: ``force`` never deletes
+    a file or a directory of other files (a mistyped --out). ``evaluation_only``: only the validation
+    split (see the module docstring).
     """
     if config.source is None:
         raise DataError("nothing to prepare: the data config names 'prepared' instead of a 'source'")
     out = Path(out)
     if out.exists() and not force:
         raise DataError(f"{out} already exists; choose another --out or pass --force to replace it")
+    if out.exists() and not _replaceable(out):
+        what = "a directory of other files" if out.is_dir() else "not a directory"
+        raise DataError(f"--force replaces only an empty or a prepared data directory (one with manifest.json), "
+                        f"and {out} is {what}; choose another --out")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
@@ -282,6 +288,11 @@ def prepare(config: DataConfig, out: str | Path, *, force: bool = False,
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return manifest
+
+
+def _replaceable(out: Path) -> bool:
+    """Whether ``out`` (which exists) is an empty directory or a prepared one, which --force may replace."""
+    return out.is_dir() and ((out / "manifest.json").is_file() or not any(out.iterdir()))
 
 
 def default_cache_dir() -> Path:

@@ -1,0 +1,46 @@
+"""What the subcommands read from their command line the same way: a YAML file and a path.
+
+Bad input is one line saying what is wrong: a ConfigError from ``read_yaml``, an argparse error (which the
+``poslab`` command prints as one line) from ``path_argument``. ``--set KEY=VALUE`` overrides are parsed by
+``poslab.train.config.apply_override`` everywhere.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from poslab.errors import ConfigError
+
+
+def read_yaml(path: str | Path, what: str = "config") -> Any:
+    """The YAML document in ``path`` (None for an empty file), or ConfigError naming ``what`` and the file:
+    missing or unreadable, not UTF-8 text (a binary or UTF-16 file), or not valid YAML (with the line)."""
+    if path == "":  # Path("") is the current directory, and 'cannot read .: Is a directory' says nothing
+        raise ConfigError(f"the {what} path is empty; give a YAML file")
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise ConfigError(f"cannot read {what} {path}: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{what} {path} is not UTF-8 text (byte {err.start} is invalid); save it as UTF-8") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        line = f" line {where.line + 1}" if where is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{what} {path}:{line} is not valid YAML: {problem}") from None
+    except ValueError as err:  # a scalar YAML cannot convert: a date 2001-13-01, an integer of 5000 digits
+        raise ConfigError(f"{what} {path} holds a value YAML cannot read: {str(err).split(';')[0]}") from None
+
+
+def path_argument(text: str) -> str:
+    """argparse ``type`` of a path option: refuses an empty path, which would silently mean the current
+    directory (an output written there, a run looked for there)."""
+    if not text:
+        raise argparse.ArgumentTypeError("the path is empty (it would mean the current directory); give one")
+    return text
