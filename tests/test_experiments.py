@@ -3,6 +3,7 @@ import itertools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from poslab.cli import main
+from poslab.errors import PoslabError
 from poslab.experiments import claims, runner
 from poslab.experiments.runner import RecipeResult
 
@@ -66,14 +68,45 @@ def test_runner_writes_results_and_report_and_resumes(tmp_path, fake_recipes):
     assert claim == {"claim": "value is big", "paper": 1.0, "ours": 2.0, "held": True, "rule": "ours >= 1.5"}
     report = (tmp_path / "report.md").read_text()
     assert "**2 of 4 claims held.**" in report and "| one | value is huge | 100 | 2 | **no** |" in report
-    # A second run skips finished recipes; --force redoes them; another scale does not count as finished.
+    # A second run skips finished recipes; --force redoes them.
     runner.reproduce(["all"], "smoke", tmp_path, log=lambda _: None)
     assert fake_recipes == ["one", "two"]
     runner.reproduce(["two"], "smoke", tmp_path, force=True, log=lambda _: None)
     assert fake_recipes == ["one", "two", "two"]
-    runner.reproduce(["one"], "quick", tmp_path, log=lambda _: None)
-    assert fake_recipes == ["one", "two", "two", "one"]
     assert data["recipes"]["one"]["claims"][1]["held"] is False
+
+
+def test_another_scale_is_refused_and_keeps_the_results(tmp_path, fake_recipes):
+    """The smoke results stay (a quick run discarded them from results.json and report.md), --force or not."""
+    runner.reproduce(["all"], "smoke", tmp_path, log=lambda _: None)
+    before = {name: (tmp_path / name).read_text() for name in ("results.json", "report.md")}
+    for force in (False, True):
+        with pytest.raises(PoslabError, match=f"^{re.escape(str(tmp_path))} holds smoke-scale results; one --out "
+                                              "holds one scale, so choose another --out for --scale quick$"):
+            runner.reproduce(["one"], "quick", tmp_path, force=force, log=lambda _: None)
+    assert fake_recipes == ["one", "two"]
+    assert {name: (tmp_path / name).read_text() for name in before} == before
+
+
+def test_damaged_results_are_rebuilt_or_redone(tmp_path, fake_recipes):
+    """results.json is rebuilt from the recipes' result.json (it was a JSONDecodeError or an AttributeError);
+    a damaged result.json counts as not finished, says so, and is redone (it was an AttributeError)."""
+    runner.reproduce(["all"], "smoke", tmp_path, log=lambda _: None)
+    for text in ("{garb", "[1, 2]", '{"scale": "smoke", "recipes": 3}'):
+        (tmp_path / "results.json").write_text(text)
+        runner.reproduce(["all"], "smoke", tmp_path, log=lambda _: None)
+        assert set(json.loads((tmp_path / "results.json").read_text())["recipes"]) == {"one", "two"}
+    assert fake_recipes == ["one", "two"]
+    for content in (b"[1]", b"{garb", b'{"scale": "smoke"}', b"\xff"):
+        (tmp_path / "one" / "result.json").write_bytes(content)
+        lines = []
+        runner.reproduce(["two"], "smoke", tmp_path, log=lines.append)  # "one" is not redone unless named
+        assert "one" not in json.loads((tmp_path / "results.json").read_text())["recipes"]
+        runner.reproduce(["all"], "smoke", tmp_path, log=lines.append)
+        assert lines[0] == f"[one] {tmp_path / 'one' / 'result.json'} is damaged (not a recipe's result); the " \
+                           "recipe counts as not finished"
+        assert set(json.loads((tmp_path / "results.json").read_text())["recipes"]) == {"one", "two"}
+    assert fake_recipes == ["one", "two"] + ["one"] * 4
 
 
 def test_interrupted_recipe_leaves_finished_ones(tmp_path, fake_recipes, monkeypatch):
@@ -101,6 +134,14 @@ def test_unknown_scale_and_missing_name(capsys, tmp_path):
     assert "--scale must be one of" in capsys.readouterr().err
     assert main(["reproduce"]) == 2
     assert "name a recipe or 'all'" in capsys.readouterr().err
+
+
+def test_empty_out_is_refused(capsys, tmp_path, monkeypatch, fake_recipes):
+    """An empty --out was the current directory (here a scratch one, should the refusal fail)."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["reproduce", "one", "--scale", "smoke", "--out", ""]) == 2
+    assert "argument --out: the path is empty" in capsys.readouterr().err
+    assert not fake_recipes and not list(tmp_path.iterdir())
 
 
 def test_analysis_device(capsys, tmp_path, monkeypatch, fake_recipes):

@@ -7,6 +7,7 @@ import os
 import torch
 
 from poslab.analysis.runs import DEVICES, analysis_device
+from poslab.arguments import path_argument
 from poslab.errors import PoslabError
 
 
@@ -14,8 +15,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("reproduce", help="reproduce the papers' headline claims and write a report")
     p.add_argument("names", nargs="*", metavar="NAME", help="recipe names, or 'all'")
     p.add_argument("--scale", default="quick", help="quick (CPU minutes) or paper (GPUs, torchrun)")
-    p.add_argument("--out", default="runs/reproduce", help="output directory (default runs/reproduce)")
-    p.add_argument("--force", action="store_true", help="redo recipes that already finished in --out")
+    p.add_argument("--out", default="runs/reproduce", type=path_argument,
+                   help="output directory (default runs/reproduce); it holds the results of one --scale")
+    p.add_argument("--force", action="store_true",
+                   help="redo recipes that already finished in --out (at the same --scale)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: 1 at quick scale, where the models are too small for "
                         "intra-op parallelism to pay; torch's default otherwise)")

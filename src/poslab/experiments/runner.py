@@ -1,11 +1,15 @@
 """Runs reproduction recipes, keeps what finished, and writes results.json and report.md.
 
 Each recipe writes into DIR/<recipe>/ and ends with DIR/<recipe>/result.json; a rerun skips recipes
-whose result exists for the same scale, so an interrupted ``reproduce all`` resumes instead of
-redoing work. results.json and report.md are rewritten (atomically) after every recipe.
+whose result exists, so an interrupted ``reproduce all`` resumes instead of redoing work. Those results
+are the source of truth: results.json and report.md are rebuilt from them (atomically) after every
+recipe, so a damaged results.json is simply rewritten, and a damaged result.json counts as not finished.
+One DIR holds one scale: a run at another scale is refused (it would resume the other scale's trainings
+and drop its results from results.json).
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import importlib
 import json
@@ -92,15 +96,36 @@ def write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def load_finished(out: Path, name: str, scale: str) -> dict[str, Any] | None:
-    path = out / name / "result.json"
-    if not path.exists():
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return None  # torn by a crash mid-write before rename cannot happen, but a hand edit can
-    return data if data.get("scale") == scale else None
+def load_finished(out: Path, log: Callable[[str], None]) -> dict[str, dict[str, Any]]:
+    """The results of the recipes that finished in ``out``, by name. A result.json that is not JSON or not a
+    recipe's result (a hand edit, a copy gone wrong) is logged and counts as not finished."""
+    finished = {}
+    for name in RECIPES:
+        path = out / name / "result.json"
+        if not path.exists():
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            data = None
+        if _is_result(data):
+            finished[name] = data
+        else:
+            log(f"[{name}] {path} is damaged (not a recipe's result); the recipe counts as not finished")
+    return finished
+
+
+def _is_result(data: Any) -> bool:
+    """Whether ``data`` holds what a rerun, results.json and report.md read of a RecipeResult.to_dict()."""
+    if not (isinstance(data, dict) and isinstance(data.get("scale"), str) and isinstance(data.get("claims"), list)):
+        return False
+    seconds, tables = data.get("seconds"), data.get("tables", [])
+    claim_keys = {f.name for f in dataclasses.fields(Claim)}
+    return (isinstance(seconds, (int, float)) and not isinstance(seconds, bool)
+            and all(isinstance(claim, dict) and claim_keys <= claim.keys() for claim in data["claims"])
+            and isinstance(tables, list)
+            and all(isinstance(table, dict) and {"title", "columns", "rows"} <= table.keys() for table in tables)
+            and all(isinstance(data.get(key, []), list) for key in ("figures", "notes")))
 
 
 def check_writable(out: Path) -> None:
@@ -145,14 +170,15 @@ def reproduce(names: list[str], scale: str, out: str | Path, force: bool = False
 
 def _run_recipes(names: list[str], scale: str, out: Path, force: bool, log: Callable[[str], None],
                  jobs: int, device: str) -> dict[str, Any]:
-    results_path = out / "results.json"
-    results = json.loads(results_path.read_text()) if results_path.exists() else {}
-    recipes = results.get("recipes", {}) if results.get("scale") == scale else {}
+    recipes = load_finished(out, log)
+    other = sorted({result["scale"] for result in recipes.values()} - {scale})
+    if other:
+        raise PoslabError(f"{out} holds {' and '.join(other)}-scale results; one --out holds one scale, so choose "
+                          f"another --out for --scale {scale}")
     for name in names:
-        finished = None if force else load_finished(out, name, scale)
+        finished = None if force else recipes.get(name)
         if finished is not None:
             log(f"[{name}] already finished ({finished['seconds']:.0f} s); skipping (use --force to redo)")
-            recipes[name] = finished
             continue
         log(f"[{name}] running at {scale} scale: {RECIPES[name][1]}")
         module_name, fn = RECIPES[name][0].split(":")
