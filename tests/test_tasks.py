@@ -314,6 +314,9 @@ def test_tokenizer_round_trip_and_file(tmp_path):
     ("indexing", {"test_size": 0}, "indexing.test_size must be >= 1"),
     ("indexing", {"train_size": 2.5}, "indexing.train_size must be an integer or null"),
     ("ordering", {"max_len": 30}, "ordering.max_len must be <= 28"),
+    # 10^11 asked numpy for 745 GiB (an array of every length); the bound says why it is there.
+    ("addition", {"max_len": 10**11}, r"addition.max_len must be <= 512 \(one problem is one sequence"),
+    ("reversal", {"max_len": 513}, "reversal.max_len must be <= 512"),
     ("ordering", {"min_len": 11, "max_len": 11}, "task 'ordering' has no problem of length in"),
     ("ordering", {"max_len": 13, "train_max_len": 12}, "no problem longer than train_max_len=12"),
     ("indirect_indexing", {"alphabet_size": 10}, r"max_len \(40\) exceeds the alphabet size \(10\)"),
@@ -455,7 +458,19 @@ def test_cli_list_and_show(capsys):
                      .examples("train", 4)]
     assert run_cli(["tasks", "show", "reversal", "-n", "2", "--split", "test", "--set", "test_size=5"]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 2
-    with pytest.raises(ConfigError, match="--set expects KEY=VALUE"):
+    with pytest.raises(ConfigError, match="--set expects key.path=value"):
         run_cli(["tasks", "show", "addition", "--set", "max_len"])
     with pytest.raises(ConfigError, match="unknown split of task 'addition' 'tset'"):
         run_cli(["tasks", "show", "addition", "--split", "tset"])
+
+
+def test_cli_show_refusals_name_the_option():
+    """-n is bounded (10^20 was a ValueError from numpy) and named; a --set value that is not YAML is one line
+    (it was a yaml ParserError)."""
+    for n in ("0", "100001", "100000000000000000000"):
+        with pytest.raises(ConfigError, match=r"^-n must lie in \[1, 100,000\] \(samples to print\), got " + n):
+            run_cli(["tasks", "show", "addition", "-n", n])
+    with pytest.raises(ConfigError, match=r"--set max_len: value '\[1' is not valid YAML"):
+        run_cli(["tasks", "show", "addition", "--set", "max_len=[1"])
+    with pytest.raises(ConfigError, match=r"count must lie in \[1, 100,000\]"):
+        build_batch_source(0, "addition").examples("train", 10**20)

@@ -88,6 +88,10 @@ def stack(parts: list[Ragged]) -> Ragged:
 # problem kept: at least 1e-4 for validation and test, at least 0.1 (1 - 2 x 0.45) for training. Closer to 0
 # or 0.5, a run would spend hours drawing before it could tell the split is (nearly) empty.
 HOLDOUT_RANGE = (1e-4, 0.45)
+# A problem is one training sequence, and splits are drawn tens of thousands of problems at a time, padded
+# to max_len (TaskSource._draw): at this length drawing the default validation split of addition already
+# takes 1.5 GB. (max_len 10^11 asked numpy for 745 GiB, to list the lengths.)
+MAX_LEN = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +124,8 @@ class TaskOptions:
         require(self.min_len >= self.shortest, f"{t}.min_len must be >= {self.shortest}, got {self.min_len}")
         require(self.max_len >= self.min_len,
                 f"{t}.max_len ({self.max_len}) must be >= min_len ({self.min_len})")
+        require(self.max_len <= MAX_LEN, f"{t}.max_len must be <= {MAX_LEN} (one problem is one sequence, and "
+                                         f"splits are drawn tens of thousands at a time), got {self.max_len}")
         require(self.train_max_len is None or self.min_len <= self.train_max_len < self.max_len,
                 f"{t}.train_max_len must lie in [min_len, max_len) = [{self.min_len}, {self.max_len}), "
                 f"got {self.train_max_len}")

@@ -4,10 +4,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-import yaml
-
 from poslab.errors import ConfigError
 from poslab.tasks import TASKS, build_batch_source
+from poslab.tasks.source import MAX_EXAMPLES
+from poslab.train.config import apply_override
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -17,7 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     listing.set_defaults(func=list_tasks)
     show = commands.add_parser("show", help="print samples of a task as input<TAB>answer lines")
     show.add_argument("name", help="task name (see `poslab tasks list`)")
-    show.add_argument("-n", type=int, default=5, help="how many samples (default 5)")
+    show.add_argument("-n", type=int, default=5, help=f"how many samples, at most {MAX_EXAMPLES:,} (default 5)")
     show.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     show.add_argument("--split", default="train", help="train, validation, test or test_long (default train)")
     show.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -26,12 +26,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def parse_overrides(items: list[str]) -> dict[str, object]:
-    options = {}
+    options: dict[str, object] = {}
     for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--set expects KEY=VALUE, got '{item}'")
-        options[key] = yaml.safe_load(value) if value else ""
+        apply_override(options, item)
     return options
 
 
@@ -43,6 +40,8 @@ def list_tasks(args: argparse.Namespace) -> int:
 
 
 def show_task(args: argparse.Namespace) -> int:
+    if not 1 <= args.n <= MAX_EXAMPLES:
+        raise ConfigError(f"-n must lie in [1, {MAX_EXAMPLES:,}] (samples to print), got {args.n}")
     source = build_batch_source(args.seed, args.name, **parse_overrides(args.set))
     for prompt, answer in source.examples(args.split, args.n):
         print(f"{prompt}\t{answer}")

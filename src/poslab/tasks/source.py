@@ -31,6 +31,7 @@ from poslab.tasks.tokenizer import CharTokenizer
 STREAMS = {"train": 0, "pool": 1, "order": 2, "validation": 3, "test": 4, "test_long": 5}
 BUCKETS = {"train": 0, "validation": 1, "test": 2}
 MAX_CHUNK = 1 << 16  # problems drawn at once when filling a split; bounds memory
+MAX_EXAMPLES = 100_000  # examples() returns problems to read; more would only cost memory (`tasks show -n`)
 
 
 class Problems(NamedTuple):
@@ -204,7 +205,7 @@ class TaskSource:
 
     def examples(self, split: str, count: int) -> list[tuple[str, str]]:
         """The first `count` (prompt, answer) strings of a split ('train' = the batch of step 0)."""
-        require(count >= 1, f"count must be >= 1, got {count}")
+        require(1 <= count <= MAX_EXAMPLES, f"count must lie in [1, {MAX_EXAMPLES:,}], got {count}")
         if split not in ("train", *self.splits):
             raise ConfigError(unknown_key_message(f"split of task '{self.task.name}'", split, ("train", *self.splits)))
         problems = self._train_problems(0, count) if split == "train" else self._eval_set(split)
