@@ -6,13 +6,14 @@ KIND: adjacency, variance, probes, spectra, heads, frequencies, extrapolation (s
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
-import torch
-import yaml
-
+from poslab.arguments import path_argument, read_yaml
 from poslab.errors import ConfigError, unknown_key_message
+
+# Evaluating at a length costs memory in proportion to it (and attention to its square): past 64x the
+# training length a factor is a typo, not an experiment (1e9 asked for 16 TiB).
+MAX_FACTOR = 64
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -23,12 +24,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("analyze", help="measure a trained run (adjacency, probes, spectra, ...)",
                               description="Measure a trained run; writes DIR/analysis/KIND.json and PNG figures.")
     p.add_argument("kind", metavar="KIND", help=f"one of: {', '.join(ANALYSES)}")
-    p.add_argument("--run", required=True, metavar="DIR", help="run directory written by `poslab train`")
+    p.add_argument("--run", required=True, metavar="DIR", type=path_argument,
+                   help="run directory written by `poslab train`")
     p.add_argument("--checkpoint", choices=("best", "last"), default=None, help="default: best if present, else last")
     p.add_argument("--sequences", type=int, default=defaults.sequences, help="evaluation sequences to analyse")
     p.add_argument("--batch-size", type=int, default=defaults.batch_size)
     p.add_argument("--split", default=None, help="evaluation split (default: the run's train.eval_split)")
-    p.add_argument("--device", default=defaults.device, help="cpu or cuda")
+    p.add_argument("--device", default=defaults.device,
+                   help=f"cpu, cuda, cuda:N, mps, or auto: CUDA if there is one (default {defaults.device})")
     p.add_argument("--targets", nargs="+", default=None, help="probes: targets (default: position + every "
                    "structure label of the data)")
     p.add_argument("--probe-steps", type=int, default=defaults.probe_steps, help="probes: MLP/classifier steps")
@@ -37,7 +40,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threshold", type=float, default=defaults.threshold,
                    help="heads: share a term needs to name a head")
     p.add_argument("--factors", type=float, nargs="+", default=list(defaults.factors),
-                   help="extrapolation: evaluation lengths as multiples of the training length")
+                   help="extrapolation: evaluation lengths as multiples of the training length, each in "
+                        f"(0, {MAX_FACTOR}]")
     p.add_argument("--scalings", nargs="*", default=list(defaults.scalings), choices=list(ROPE_SCALINGS),
                    help="extrapolation: RoPE scalings applied at evaluation to rope runs")
     p.add_argument("--compare", nargs="*", default=[], metavar="DIR", help="extrapolation: more runs on the figure")
@@ -49,24 +53,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from poslab.analysis.commands import ANALYSES, Options
-    from poslab.analysis.runs import Run
+    from poslab.analysis.runs import Run, analysis_device
 
     if args.kind not in ANALYSES:
         raise ConfigError(unknown_key_message("analysis KIND", args.kind, ANALYSES))
     for name in ("sequences", "batch_size", "probe_steps", "max_classes"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not 0 < args.threshold <= 1 or any(f <= 0 for f in args.factors):
-        raise ConfigError("--threshold must lie in (0, 1] and --factors must be positive")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"--device {args.device}: no CUDA device here; use --device cpu")
+    if not 0 < args.threshold <= 1:  # nan too
+        raise ConfigError(f"--threshold must lie in (0, 1], got {args.threshold}")
+    for factor in args.factors:
+        if not 0 < factor <= MAX_FACTOR:  # nan and inf too
+            raise ConfigError(f"--factors must lie in (0, {MAX_FACTOR}] (multiples of the training length), "
+                              f"got {factor}")
+    device = analysis_device(args.device, "--device")
     eval_data = load_eval_data(args.eval_data) if args.eval_data else None
     opts = Options(sequences=args.sequences, batch_size=args.batch_size, split=args.split,
                    probe_steps=args.probe_steps, max_classes=args.max_classes, threshold=args.threshold,
                    factors=tuple(args.factors), scalings=tuple(args.scalings), compare=tuple(args.compare),
-                   checkpoint=args.checkpoint, device=args.device,
+                   checkpoint=args.checkpoint, device=device,
                    targets=tuple(args.targets) if args.targets else None, eval_data=eval_data)
-    run_ = Run.load(args.run, args.checkpoint, args.device)
+    run_ = Run.load(args.run, args.checkpoint, device)
     result = ANALYSES[args.kind](run_, opts)
     print(f"{args.kind}: wrote {run_.out_dir / (args.kind + '.json')} and {', '.join(result['figures'])}")
     return 0
@@ -74,16 +81,9 @@ def run(args: argparse.Namespace) -> int:
 
 def load_eval_data(path: str) -> dict[str, Any]:
     """The mapping in ``--eval-data FILE``; ConfigError (one line) for a missing, unreadable or invalid file."""
-    try:
-        raw = yaml.safe_load(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"--eval-data: no such file: {path}") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"--eval-data: cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"--eval-data: {path} is not valid YAML: {str(err).splitlines()[0]}") from None
+    raw = read_yaml(path, "--eval-data file")
     if not isinstance(raw, dict) or not raw:
         got = "an empty mapping" if isinstance(raw, dict) else "nothing" if raw is None else f"a {type(raw).__name__}"
-        raise ConfigError(f"--eval-data: {path} must hold a mapping of data options (e.g. source, "
+        raise ConfigError(f"--eval-data file {path} must hold a mapping of data options (e.g. source, "
                           f"validation_documents), got {got}")
     return raw

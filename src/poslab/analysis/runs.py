@@ -13,25 +13,35 @@ from pathlib import Path
 import torch
 
 from poslab.analysis.capture import take_batches
-from poslab.errors import CheckpointError, ConfigError
+from poslab.errors import CheckpointError, require
 from poslab.models import build_model
 from poslab.train.config import RunConfig
 from poslab.train.trainer import load_run
 
 ANALYSIS_DIR = "analysis"
-DEVICES = ("auto", "cpu", "cuda")
+DEVICES = ("auto", "cpu", "cuda")  # reproduce --analysis-device; analysis_device takes cuda:N and mps too
 
 
-def analysis_device(name: str) -> str:
-    """'auto' -> this process's CUDA device (cuda:LOCAL_RANK under torchrun) when there is one, else 'cpu';
-    'cuda' without one is a ConfigError. Models measured at paper scale are too large for a CPU."""
-    if name not in DEVICES:
-        raise ConfigError(f"analysis device must be one of {', '.join(DEVICES)}, got '{name}'")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("analysis device cuda: no CUDA device here; use cpu or auto")
-    if name == "cpu" or not torch.cuda.is_available():
-        return "cpu"
-    return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+def analysis_device(name: str, option: str = "--analysis-device") -> str:
+    """A device for measuring, or a ConfigError naming ``option``: 'auto' -> this process's CUDA device
+    (cuda:LOCAL_RANK under torchrun) when there is one, else 'cpu'; 'cuda' -> that device; 'cuda:N' and
+    'mps' only when this machine has them. Models measured at paper scale are too large for a CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return name
+    if name == "mps":
+        require(torch.backends.mps.is_available(), f"{option} mps: no MPS device here; use cpu")
+        return name
+    cuda = re.fullmatch(r"cuda(?::(\d+))?", name)
+    # Anything else ('meta', a typo) would fail later, inside torch, with a RuntimeError.
+    require(cuda is not None, f"{option} must be cpu, cuda, cuda:N, mps or auto, got '{name}'")
+    require(torch.cuda.is_available(), f"{option} {name}: no CUDA device here; use cpu or auto")
+    if cuda.group(1) is None:
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    index, count = int(cuda.group(1)), torch.cuda.device_count()
+    require(index < count, f"{option} {name}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    return f"cuda:{index}"
 
 
 @dataclass
@@ -45,7 +55,8 @@ class Run:
         """checkpoint: 'best' or 'last' (default: best if there is one)."""
         path = Path(path)
         if not path.is_dir():
-            raise CheckpointError(f"run directory {path} does not exist; pass the --out directory of `poslab train`")
+            problem = "is a file, not a run directory" if path.exists() else "does not exist"
+            raise CheckpointError(f"{path} {problem}; pass the --out directory of `poslab train`")
         config, model = load_run(path, checkpoint)
         return cls(path, config, model.to(device).eval())
 
