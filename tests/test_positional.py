@@ -141,6 +141,27 @@ def test_bad_options_rejected(name, options, message):
         PositionalConfig(name, options)
 
 
+@pytest.mark.parametrize("name", ["nope", "alibi"])
+def test_a_scheme_without_options_says_so(name):
+    """Not "unknown option ... (valid: )"."""
+    with pytest.raises(ConfigError, match=f"^positional scheme '{name}' takes no options; remove base, scale$"):
+        PositionalConfig(name, {"base": 1, "scale": 2})
+    PositionalConfig(name, {})
+
+
+def test_demo_refuses_bad_steps_and_seed(capsys):
+    """--steps 0 was an UnboundLocalError, a seed past 2^64 a ValueError from torch: one line each."""
+    from poslab.cli import main
+
+    for argv, message in ((["--steps", "0"], "--steps must be >= 1 (training steps per scheme), got 0"),
+                          (["--steps", "-3"], "--steps must be >= 1"),
+                          (["--seed", "99999999999999999999999"], "--seed must lie in [0, 2^63), got 9999"),
+                          (["--seed", "-1"], "--seed must lie in [0, 2^63), got -1")):
+        assert main(["demo", *argv]) == 2
+        out, err = capsys.readouterr()
+        assert err.startswith(f"poslab: error: {message}") and err.count("\n") == 1 and not out
+
+
 def test_options_take_numbers_in_yamls_string_spelling():
     """YAML 1.1 reads 1e4 as the string '1e4'; model and train numbers accept it, so scheme options do too."""
     from poslab.positional.pope import PoPEOptions

@@ -11,6 +11,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from poslab.errors import ConfigError
 from poslab.models import build_model
 from poslab.positional import SCHEMES
 
@@ -43,6 +44,10 @@ def run_demo(steps: int = 40, seed: int = 0) -> list[dict]:
 
 
 def _cmd(args) -> int:
+    if args.steps < 1:
+        raise ConfigError(f"--steps must be >= 1 (training steps per scheme), got {args.steps}")
+    if not 0 <= args.seed < 2**63:  # a run config's range (torch.manual_seed overflows past 2^64 - 1)
+        raise ConfigError(f"--seed must lie in [0, 2^63), got {args.seed}")
     table = Table(title=f"poslab demo: copy task, {args.steps} steps per scheme")
     for column in ("scheme", "parameters", "final loss", "seconds"):
         table.add_column(column, justify="right" if column != "scheme" else "left")
@@ -54,6 +59,6 @@ def _cmd(args) -> int:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("demo", help="build every scheme and train a tiny model briefly with each")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=40, help="training steps per scheme (default 40)")
+    p.add_argument("--seed", type=int, default=0, help="seed in [0, 2^63) (default 0)")
     p.set_defaults(func=_cmd)

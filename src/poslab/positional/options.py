@@ -5,7 +5,7 @@ import dataclasses
 import typing
 from typing import Any
 
-from poslab.errors import check_type, known_fields, parse_number
+from poslab.errors import ConfigError, check_type, known_fields, parse_number
 
 
 def options_dataclass(cls):
@@ -16,6 +16,9 @@ def options_dataclass(cls):
 
     def __init__(self, **kwargs: Any) -> None:
         hints = typing.get_type_hints(cls)
+        if kwargs and not dataclasses.fields(cls):  # known_fields would say "(valid: )"
+            raise ConfigError(f"positional scheme '{cls.scheme}' takes no options; remove "
+                              f"{', '.join(map(str, kwargs))}")
         kwargs = known_fields(kwargs, cls, f"{cls.scheme} options", f"option for positional scheme '{cls.scheme}'")
         for key, value in kwargs.items():
             kwargs[key] = _yaml_number(value, hints[key])
