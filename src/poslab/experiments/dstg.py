@@ -59,7 +59,8 @@ SCALES = {
                         "intra-segment position":
                             "The search (benchmarks/quick_search/DSTG_FINDINGS.md) tried 8 heads, twice the steps, "
                             "3 layers and the paper's 6: the best layer's R^2 stayed 0.18-0.42 in every model, so the "
-                            "rule fails for all four, not only for DSTG.",
+                            "rule fails for all four, not only for DSTG. (Those probes read the masked training view "
+                            "of the text; since the seventh session they read intact text, a little higher in R^2.)",
                         "DSTG heads":
                             "8 heads, twice the steps, 3 layers and the paper's 6 were tried: every DSTG head stays "
                             "AP-dominated or mixed (sem share of logit variance at most 0.48 at 6 layers; a label "
