@@ -461,6 +461,52 @@ def test_error_line_with_a_line_break(tmp_path, reliability):
     check_exit(code, err)
 
 
+def alias_bomb(levels: int = 6) -> list:
+    """9^levels strings from a few hundred bytes of YAML: every level repeats one list object, which
+    yaml.safe_dump writes once with an anchor and then as aliases."""
+    bomb = ["lol"] * 9
+    for _ in range(levels - 1):
+        bomb = [bomb] * 9
+    return bomb
+
+
+@pytest.mark.parametrize("key,message", [
+    ("seed", "seed must be a number, got [[["), ("model.d_model", "model.d_model must be a number, got [[["),
+    ("model.norm", "model.norm must be a string, got [[["), ("train.betas", "train.betas must be a list"),
+    ("data.kind", "unknown data kind '[[["), ("model.positional", "positional must be a mapping"),
+    ("model.positional.name", "unknown positional scheme '[[["), ("data.name", "unknown task '[[[")])
+def test_a_huge_bad_value_is_shown_cut(tmp_path, key, message, reliability):
+    """A YAML alias bomb under a key once made a 39 MB error line (the whole repr of 531,441 strings)."""
+    raw = json.loads(json.dumps(BASE))
+    mutate(raw, key, alias_bomb())
+    text = yaml.safe_dump(raw)
+    assert len(text) < 2000
+    (tmp_path / "run.yaml").write_text(text)
+    code, _, err = invoke(["train", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "run")])
+    error = check_exit(code, err)
+    assert code == 2 and message in error and len(error) < 600, error[:1000]
+    assert not (tmp_path / "run").exists()
+    reliability.record("fuzz", f"a YAML alias bomb (531,441 strings in {len(text)} bytes) as {key}", 1,
+                       f"one error line of {len(error)} characters")
+
+
+@pytest.mark.parametrize("source,given,message", [
+    ("file", "seed: 2001-13-01", "holds a value YAML cannot read: month must be in 1..12"),
+    ("file", "seed: " + "1" * 5000, "holds a value YAML cannot read: Exceeds the limit (4300 digits)"),
+    ("--set", "seed=2001-13-01", "--set seed: value '2001-13-01' is not valid YAML"),
+    ("--set", "seed=" + "1" * 5000, "--set seed: value '111"),
+])
+def test_a_value_yaml_cannot_convert_is_one_line(tmp_path, source, given, message):
+    """YAML reads these as a date and an int, whose constructors raise ValueError, not YAMLError."""
+    raw = {k: v for k, v in BASE.items() if k != "seed"}
+    text = yaml.safe_dump(raw) + (given + "\n" if source == "file" else "")
+    (tmp_path / "run.yaml").write_text(text)
+    sets = ["--set", given] if source == "--set" else []
+    code, _, err = invoke(["train", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "run"), *sets])
+    error = check_exit(code, err)
+    assert code == 2 and message in error and len(error) < 600, error[:1000]
+
+
 class StillRunning(Exception):
     """Raised by a timer inside a call that should have returned (not an OSError: main would catch that)."""
 

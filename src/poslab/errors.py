@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import reprlib
 import sys
 import types
 import typing
@@ -29,6 +30,33 @@ class CheckpointError(PoslabError):
     """A checkpoint is missing, corrupt or belongs to another model."""
 
 
+# A bad value is shown in its message at most this long: a few bytes of YAML aliases expand into a list of
+# millions of items, and an error line must stay one readable line (and be cheap to build).
+SHOWN_CHARS = 200
+
+
+class _Shown(reprlib.Repr):
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxlist, self.maxtuple, self.maxset, self.maxdict = 3, 8, 8, 8, 8
+        self.maxstring, self.maxother, self.maxlong = 120, 120, 60
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 1000:  # repr() refuses ints past 4300 digits; a message needs no digits of it
+            return f"<an integer of {x.bit_length()} bits>"
+        return super().repr_int(x, level)
+
+
+def shown(value: Any) -> str:
+    """repr(value) for an error message, cut to about SHOWN_CHARS characters without building the whole repr."""
+    return cut(_Shown().repr(value))
+
+
+def cut(text: str) -> str:
+    """text, or its first SHOWN_CHARS characters and '...' when it is longer."""
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
+
+
 def require(condition: bool, message: str) -> None:
     """Raise ConfigError(message) unless condition holds (config validation reads top to bottom)."""
     if not condition:
@@ -39,7 +67,8 @@ def unknown_key_message(kind: str, key: object, valid: Iterable[str]) -> str:
     """'unknown <kind> 'x'; did you mean 'y'? valid: a, b, c' -- the closest match first. The key may be
     any parsed YAML value (null, a list), which is what a user gets wrong."""
     valid = sorted(valid)
-    close = difflib.get_close_matches(str(key), valid, n=1)
+    key = cut(key) if isinstance(key, str) else shown(key)
+    close = difflib.get_close_matches(key, valid, n=1)
     hint = f"; did you mean '{close[0]}'?" if close else ""
     return f"unknown {kind} '{key}'{hint} (valid: {', '.join(valid)})"
 
@@ -92,13 +121,13 @@ def check_type(name: str, value: Any, hint: Any) -> None:
         if kind is type(None) and value is None:
             return
         if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            require(finite(value), f"{name} must be a finite number, got {value!r}")
+            require(finite(value), f"{name} must be a finite number, got {shown(value)}")
             return
         if kind is int and is_int(value):
             return
         if kind in (str, bool) and isinstance(value, kind):
             return
-    raise ConfigError(f"{name} must be {' or '.join(_TYPE_WORDS[k] for k in allowed)}, got {value!r}")
+    raise ConfigError(f"{name} must be {' or '.join(_TYPE_WORDS[k] for k in allowed)}, got {shown(value)}")
 
 
 def check_fields(config: Any, prefix: str = "") -> None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from poslab.attention import BACKENDS
-from poslab.errors import check_fields, known_fields, require
+from poslab.errors import check_fields, known_fields, require, shown
 from poslab.positional import PositionalConfig
 
 ARCHS = ("decoder", "encoder")
@@ -47,14 +47,14 @@ class ModelConfig:
         if isinstance(self.positional, dict):
             self.positional = PositionalConfig(**known_fields(self.positional, PositionalConfig, "positional"))
         require(isinstance(self.positional, PositionalConfig),
-                f"positional must be a mapping like {{name: rope, options: {{}}}}, got {self.positional!r}")
+                f"positional must be a mapping like {{name: rope, options: {{}}}}, got {shown(self.positional)}")
         check_fields(self)
         require(self.arch in ARCHS, f"arch must be one of {', '.join(ARCHS)}, got '{self.arch}'")
         self.norm = self.norm or ("layernorm" if self.arch == "decoder" else "rmsnorm")
         self.mlp = self.mlp or ("gelu" if self.arch == "decoder" else "swiglu")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
             value = getattr(self, name)
-            require(value > 0, f"{name} must be a positive integer, got {value!r}")
+            require(value > 0, f"{name} must be a positive integer, got {shown(value)}")
         require(self.d_model % self.n_heads == 0,
                 f"n_heads ({self.n_heads}) must divide d_model ({self.d_model}); change one of them")
         require(self.ffn_hidden is None or self.ffn_hidden > 0, f"ffn_hidden must be positive, got {self.ffn_hidden}")

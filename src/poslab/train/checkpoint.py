@@ -44,7 +44,7 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers.utils import logging as hf_logging
 
-from poslab.errors import CheckpointError, PoslabError
+from poslab.errors import CheckpointError, PoslabError, shown
 
 FORMAT = 1  # bump when a poslab can no longer resume the checkpoints of the previous format
 STATE_FILE = "trainer_state.json"
@@ -296,7 +296,7 @@ def first_difference(a: Any, b: Any, path: str) -> str | None:
             if diff is not None:
                 return diff
         return None
-    return None if a == b else f"{path} ({a!r} there, {b!r} now)"
+    return None if a == b else f"{path} ({shown(a)} there, {shown(b)} now)"
 
 
 def _check_format(path: Path, state: dict[str, Any]) -> None:

@@ -25,7 +25,8 @@ from typing import Any
 import yaml
 
 from poslab.batches import SOURCES, BatchSource, build_batch_source
-from poslab.errors import ConfigError, check_fields, check_type, finite, known_fields, lookup, parse_number, require
+from poslab.errors import (ConfigError, check_fields, check_type, cut, finite, known_fields, lookup, parse_number,
+                           require, shown)
 from poslab.models import ARCHS, DSTGConfig, ModelConfig
 
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -84,7 +85,7 @@ class TrainConfig:
         require(0 <= self.min_lr <= self.lr, f"train.min_lr must lie in [0, train.lr={self.lr}], got {self.min_lr}")
         require(self.weight_decay >= 0, f"train.weight_decay must be >= 0, got {self.weight_decay}")
         require(isinstance(self.betas, (tuple, list)) and len(self.betas) == 2,
-                f"train.betas must be two numbers in [0, 1), got {self.betas!r}")
+                f"train.betas must be two numbers in [0, 1), got {shown(self.betas)}")
         for i, beta in enumerate(self.betas):
             check_type(f"train.betas[{i}]", beta, float)
         require(all(0 <= b < 1 for b in self.betas), f"train.betas must be two numbers in [0, 1), got {list(self.betas)}")
@@ -175,6 +176,8 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
         where = getattr(err, "problem_mark", None)
         line = f" line {where.line + 1}" if where is not None else ""
         raise ConfigError(f"{path}:{line} is not valid YAML: {getattr(err, 'problem', None) or err}") from None
+    except ValueError as err:  # a scalar YAML cannot convert: a date 2001-13-01, an integer of 5000 digits
+        raise ConfigError(f"{path} holds a value YAML cannot read: {cut(str(err).split(';')[0])}") from None
     raw = {} if raw is None else raw
     require(isinstance(raw, dict), f"{path} must hold a mapping of seed/model/data/train, got {type(raw).__name__}")
     for item in overrides:
@@ -185,11 +188,11 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
 def apply_override(raw: dict[str, Any], item: str) -> None:
     """Set ``a.b.c=value`` in a nested mapping; the value is parsed as YAML (``1e-3``, ``null``, ``[1, 2]``)."""
     key, sep, text = item.partition("=")
-    require(bool(sep) and bool(key), f"--set expects key.path=value (e.g. train.lr=1e-3), got '{item}'")
+    require(bool(sep) and bool(key), f"--set expects key.path=value (e.g. train.lr=1e-3), got '{cut(item)}'")
     try:
         value = yaml.safe_load(text)
-    except yaml.YAMLError:
-        raise ConfigError(f"--set {key}: value '{text}' is not valid YAML") from None
+    except (yaml.YAMLError, ValueError):  # ValueError: a date 2001-13-01, an integer of 5000 digits
+        raise ConfigError(f"--set {key}: value '{cut(text)}' is not valid YAML") from None
     *parents, leaf = key.split(".")
     node = raw
     for i, part in enumerate(parents):
@@ -224,16 +227,17 @@ def _coerce(kind: Any, value: Any, key: str) -> Any:
         return _coerce(inner, value, key)
     if origin is tuple:
         require(isinstance(value, (list, tuple)) and len(value) == len(args),
-                f"{key} must be a list of {len(args)} values, got {value!r}")
+                f"{key} must be a list of {len(args)} values, got {shown(value)}")
         return tuple(_coerce(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
     if kind in (int, float):
         number = parse_number(value)
-        require(number is not None, f"{key} must be a number, got {value!r}")
+        require(number is not None, f"{key} must be a number, got {shown(value)}")
         if kind is int:
-            require(isinstance(number, int) or float(number).is_integer(), f"{key} must be an integer, got {value!r}")
+            require(isinstance(number, int) or float(number).is_integer(),
+                    f"{key} must be an integer, got {shown(value)}")
             return int(number)
         # nan and inf pass the range checks (nan compares false, inf > 0) and only surface as a NaN loss.
-        require(finite(number), f"{key} must be a finite number, got {value!r}")
+        require(finite(number), f"{key} must be a finite number, got {shown(value)}")
         return float(number)
     if kind in (bool, str):
         check_type(key, value, kind)
