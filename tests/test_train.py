@@ -331,6 +331,29 @@ def test_output_directory_rules(tmp_path):
     assert load_config(tmp_path / "run/config.yaml").seed == 1
 
 
+DSTG_MODEL = {"arch": "dstg", "vocab_size": None, "n_layers": 1, "n_heads": 2, "d_ap": 8, "d_sem": 24,
+              "max_seq_len": 32}
+
+
+@pytest.mark.parametrize("arch,kind,message", [
+    ("encoder", "lm", "model.arch 'encoder' does not learn from data.kind 'lm': its labels are its input tokens, "
+                      "which a bidirectional model sees and copies; use model.arch decoder, or data.kind mlm"),
+    ("encoder", "task", "model.arch 'encoder' does not learn from data.kind 'task'"),
+    ("dstg", "task", "model.arch 'dstg' does not learn from data.kind 'task'"),
+    ("dstg", "lm", "model.arch 'dstg' does not learn from data.kind 'lm'"),
+    ("decoder", "mlm", "model.arch 'decoder' does not learn from data.kind 'mlm': its labels are masked tokens, "
+                       "which a decoder cannot fill in from the tokens after them; use model.arch encoder or dstg, "
+                       "or data.kind lm or task"),
+])
+def test_a_model_that_cannot_learn_from_the_data_is_refused(arch, kind, message):
+    """An encoder given an lm or task source sees each label as its own input and learns to copy it."""
+    raw = tiny_config()
+    raw["model"] = DSTG_MODEL if arch == "dstg" else raw["model"] | {"arch": arch}
+    raw["data"] = {"kind": kind}  # refused before the source is built
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        RunConfig.from_dict(raw)
+
+
 def test_bad_vocab_sequence_length_and_lone_fsdp_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="train.fsdp shards the model over several processes"):
         train(RunConfig.from_dict(tiny_config(fsdp=True)), tmp_path / "c")
@@ -345,32 +368,30 @@ def test_bad_vocab_sequence_length_and_lone_fsdp_are_config_errors(tmp_path):
     assert not any((tmp_path / name).exists() for name in "abc")  # refused before writing anything
 
 
-@pytest.mark.parametrize("model,train_options,message", [
-    ({}, {"best_metric": "exact_macth"},
+@pytest.mark.parametrize("kind,train_options,message", [
+    ("task", {"best_metric": "exact_macth"},
      "unknown train.best_metric 'exact_macth'; did you mean 'exact_match'? (valid: exact_match, loss, token_accuracy)"),
-    ({}, {"best_metric": "tokens"}, "unknown train.best_metric 'tokens'"),  # counts, not metrics
-    ({}, {"best_metric": "examples"}, "unknown train.best_metric 'examples'"),
-    ({"arch": "encoder"}, {"best_metric": "exact_match"},  # only a decoder on a task scores whole answers
+    ("task", {"best_metric": "tokens"}, "unknown train.best_metric 'tokens'"),  # counts, not metrics
+    ("task", {"best_metric": "examples"}, "unknown train.best_metric 'examples'"),
+    ("mlm", {"best_metric": "exact_match"},  # only a decoder on a task scores whole answers
      "unknown train.best_metric 'exact_match' (valid: loss, token_accuracy)"),
-    ({}, {"eval_split": "valid"},
+    ("task", {"eval_split": "valid"},
      "unknown train.eval_split 'valid'; did you mean 'validation'? (valid: test, validation)"),
-    ({}, {"eval_split": "test_long"}, "unknown train.eval_split 'test_long'"),  # only with data.train_max_len
+    ("task", {"eval_split": "test_long"}, "unknown train.eval_split 'test_long'"),  # only with data.train_max_len
 ])
-def test_bad_evaluation_names_are_refused_before_the_first_step(tmp_path, monkeypatch, model, train_options, message):
+def test_bad_evaluation_names_are_refused_before_the_first_step(tmp_path, monkeypatch, kind, train_options, message):
     """With eval_every 0 the first evaluation is the final one: a name it cannot find must not cost the run."""
     monkeypatch.setattr(trainer_module.Trainer, "_train_step", lambda self, step: pytest.fail("a step ran"))
-    raw = tiny_config(eval_every=0, checkpoint_every=1, **train_options)
-    raw["model"].update(model)
+    options = {"eval_every": 0, "checkpoint_every": 1, **train_options}
+    raw = tiny_config(**options) if kind == "task" else tiny_encoder_config(tmp_path / "cache", **options)
     with pytest.raises(ConfigError, match=re.escape(message)):
         train(RunConfig.from_dict(raw), tmp_path / "run")
     assert not (tmp_path / "run").exists()  # refused before writing anything
 
 
 @pytest.mark.parametrize("arch", ["decoder", "encoder"])
-def test_best_metric_choices_are_what_the_evaluation_reports(arch):
-    raw = tiny_config()
-    raw["model"]["arch"] = arch
-    config = RunConfig.from_dict(raw)
+def test_best_metric_choices_are_what_the_evaluation_reports(arch, tmp_path):
+    config = RunConfig.from_dict(tiny_config() if arch == "decoder" else tiny_encoder_config(tmp_path / "cache"))
     reported = evaluate(build_model(config.model), config.data.build(config.seed), config, torch.device("cpu"),
                         torch.autocast("cpu", enabled=False))
     assert set(metrics(config)) <= set(reported) and set(reported) - set(metrics(config)) <= {"tokens", "examples"}
@@ -472,6 +493,13 @@ def tiny_mlm_config(cache: Path, sparse: bool = True, **train) -> dict:
             "train": {"steps": 2, "batch_size": 4, "warmup_steps": 0, "eval_batches": 2, "log_every": 1, **train}}
 
 
+def tiny_encoder_config(cache: Path, **train) -> dict:
+    """tiny_mlm_config with a 1-layer NeoBERT-style encoder in place of DSTG."""
+    return tiny_mlm_config(cache, **train) | {
+        "model": {"arch": "encoder", "vocab_size": None, "d_model": 32, "n_layers": 1, "n_heads": 2,
+                  "max_seq_len": 32, "sparse_prediction": True}}
+
+
 def test_dstg_masked_lm_run_on_a_text_source(tmp_path):
     config = RunConfig.from_dict(tiny_mlm_config(tmp_path / "cache"))
     assert config.model.vocab_size == config.data.build(0).vocab_size and not config.model.causal
@@ -499,9 +527,9 @@ class _FixedSource:
 def test_generic_evaluation_is_loss_and_accuracy_on_labelled_tokens(arch):
     raw = tiny_config()
     raw["model"].update(arch=arch.split()[-1], vocab_size=11, sparse_prediction="sparse" in arch)
+    raw["data"] = {"kind": "lm" if arch == "decoder" else "mlm"}  # not a task source: the generic path
     config = RunConfig.from_dict(raw)
     model, source = build_model(config.model).train(), _FixedSource()
-    config.data.kind = "lm"  # not a task source: the generic path
     metrics = evaluate(model, source, config, torch.device("cpu"), torch.autocast("cpu", enabled=False))
     logits = torch.cat([model(input_ids=b["input_ids"]).logits for b in source.batches])
     labels = torch.cat([b["labels"] for b in source.batches])

@@ -32,6 +32,11 @@ from poslab.models import ARCHS, DSTGConfig, ModelConfig
 PRECISIONS = ("auto", "fp32", "bf16")
 SCHEDULES = ("cosine", "constant")
 DEVICES = ("auto", "cpu", "cuda")
+# The model archs that learn from each data kind. lm and task sources label a token with itself (unshifted: a
+# causal model scores its prediction at i against the label at i + 1), so a bidirectional model sees every
+# label in its input and learns to copy it; an mlm source hides its labels behind masked tokens, for a
+# bidirectional model to fill in from both sides, which a decoder, reading left to right, cannot.
+DATA_ARCHS = {"lm": ("decoder",), "task": ("decoder",), "mlm": ("encoder", "dstg")}
 
 
 @dataclass
@@ -128,7 +133,15 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        require(0 <= self.seed < 2**63, f"seed must be an integer in [0, 2^63), got {self.seed}")
+        require(0 <= self.seed < 2**63, f"seed must be an integer in [0, 2^63), got {shown(self.seed)}")
+        arch, kind = self.model.arch, self.data.kind
+        fits = DATA_ARCHS.get(kind, (arch,))  # a data kind not listed takes any model
+        if arch not in fits:
+            why = ("its labels are masked tokens, which a decoder cannot fill in from the tokens after them"
+                   if kind == "mlm" else "its labels are its input tokens, which a bidirectional model sees and copies")
+            others = [k for k, archs in DATA_ARCHS.items() if arch in archs]
+            raise ConfigError(f"model.arch '{arch}' does not learn from data.kind '{kind}': {why}; use model.arch "
+                              f"{' or '.join(fits)}, or data.kind {' or '.join(others)} for this model")
 
     @classmethod
     def from_dict(cls, raw: Any) -> RunConfig:
