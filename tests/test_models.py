@@ -276,3 +276,21 @@ def test_model_config_must_be_a_mapping():
         ModelConfig.from_dict([])
     with pytest.raises(ConfigError, match="dstg model must be a mapping, got str"):
         DSTGConfig.from_dict("dstg")
+
+
+@pytest.mark.parametrize("config", [None, 3, [1], "decoder", [("arch", "decoder")]])
+def test_build_model_takes_a_mapping_or_a_config(config):
+    with pytest.raises(ConfigError, match="model config must be a mapping .* or a ModelConfig or DSTGConfig, got"):
+        poslab.build_model(config)
+
+
+@pytest.mark.parametrize("arch", ["decoder", "encoder", "dstg"])
+def test_token_ids_outside_the_vocabulary_are_input_errors(arch):
+    """The embedding would raise IndexError (on CUDA, a device-side assert that ends the process)."""
+    net = poslab.build_model(DSTG if arch == "dstg" else {"arch": arch, "vocab_size": 30, "d_model": 16,
+                                                          "n_heads": 2, "n_layers": 1}).eval()
+    for ids, seen in (([1, 2, 30], "[1, 30]"), ([-1, 2, 29], "[-1, 29]")):
+        with pytest.raises(InputError, match=re.escape(f"token ids must lie in [0, 30) for this model's vocabulary; "
+                                                       f"got ids in {seen}")):
+            net(torch.tensor([ids]))
+    assert net(torch.tensor([[0, 29]])).logits.shape[-1] == 30  # the ends of the range are ids

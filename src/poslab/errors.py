@@ -155,3 +155,14 @@ def known_fields(values: Any, cls: type, what: str, kind: str | None = None) -> 
 
 class InputError(PoslabError, ValueError):
     """A tensor input does not fit the model (e.g. a sequence longer than a learned position table)."""
+
+
+def check_token_ids(input_ids: Any, vocab_size: int) -> None:
+    """InputError unless every id in the tensor lies in [0, vocab_size): the embedding would raise an
+    IndexError (or, on CUDA, a device-side assert that kills the process). One min/max pass per forward."""
+    if input_ids.numel() == 0 or input_ids.device.type == "meta":
+        return
+    low, high = (int(v) for v in input_ids.aminmax())
+    if low < 0 or high >= vocab_size:
+        raise InputError(f"token ids must lie in [0, {vocab_size}) for this model's vocabulary; got ids in "
+                         f"[{low}, {high}]; encode the text with the model's tokenizer or raise model.vocab_size")

@@ -5,12 +5,12 @@ packaged as Hugging Face models; DSTG-NeoBERT lives in ``dstg.py``.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
 
-from poslab.errors import lookup
+from poslab.errors import ConfigError, lookup, shown
 from poslab.models.cache import ActivationCache
 from poslab.models.config import ModelConfig
 from poslab.models.dstg import DSTGNeoBertConfig, DSTGNeoBertForMaskedLM, DSTGNeoBertModel, build_dstg
@@ -41,7 +41,12 @@ ARCHS: dict[str, tuple[type, Callable[[dict[str, Any]], Any]]] = {
 
 def build_model(config: dict[str, Any] | ModelConfig | DSTGConfig):
     """A ready model (LM head for decoders, MLM head for encoders and DSTG) from a config dict or dataclass."""
-    values = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    if hasattr(config, "to_dict"):
+        config = config.to_dict()
+    if not isinstance(config, Mapping):  # dict() of a string or a list raises TypeError or ValueError
+        raise ConfigError(f"model config must be a mapping (e.g. {{'arch': 'decoder', 'd_model': 128}}) or a "
+                          f"ModelConfig or DSTGConfig, got {shown(config)}")
+    values = dict(config)
     config_cls, builder = lookup("arch", values.get("arch", "decoder"), ARCHS)
     return builder(config_cls.from_dict(values).to_dict())
 

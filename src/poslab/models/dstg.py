@@ -34,7 +34,7 @@ from transformers.modeling_outputs import MaskedLMOutput
 from transformers.utils import ModelOutput
 
 from poslab.attention import attend
-from poslab.errors import ConfigError, InputError, unknown_key_message
+from poslab.errors import ConfigError, InputError, check_token_ids, unknown_key_message
 from poslab.models.dstg_config import DSTGConfig
 from poslab.models.hf import MLMHead, PoslabPreTrainedModel, masked_lm_output
 from poslab.positional import AttentionGeometry, LayerPositional, build_positional, owned_once
@@ -271,6 +271,7 @@ class DSTGNeoBertModel(DSTGPreTrainedModel):
                 position_ids: torch.Tensor | None = None, capture=None, **_unused) -> DSTGModelOutput:
         """attention_mask (b, n) 1 = real token; position_ids (b, n) override the counted positions."""
         b = input_ids.shape[0]
+        check_token_ids(input_ids, self.embed.num_embeddings)
         positions = self.positions(input_ids, attention_mask, position_ids)
         key_padding = None if attention_mask is None or bool(attention_mask.all()) else attention_mask
         x = {"sem": self.embed(input_ids)}

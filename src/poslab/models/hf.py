@@ -13,7 +13,7 @@ from transformers import DynamicCache, GenerationMixin, PreTrainedConfig, PreTra
 from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast, MaskedLMOutput
 
-from poslab.errors import ConfigError
+from poslab.errors import ConfigError, check_token_ids
 from poslab.models.blocks import Block, make_norm
 from poslab.models.config import ModelConfig
 from poslab.positional import AttentionGeometry, InputPositional, LayerPositional, build_positional, owned_once
@@ -92,6 +92,7 @@ class PoslabModel(PoslabPreTrainedModel):
         """attention_mask (batch, past + n) 1 = real token; position_ids (batch, n), default past..past+n-1;
         ``cache`` (or ``past_key_values``) a Hugging Face KV ``Cache`` (decoders, incremental decoding)."""
         cache = cache if cache is not None else past_key_values
+        check_token_ids(input_ids, self.embed.num_embeddings)
         n = input_ids.shape[1]
         past = cache.get_seq_length() if cache is not None else 0
         positions = position_ids if position_ids is not None else torch.arange(past, past + n, device=input_ids.device)[None]
