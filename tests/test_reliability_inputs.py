@@ -507,8 +507,59 @@ def test_a_value_yaml_cannot_convert_is_one_line(tmp_path, source, given, messag
     assert code == 2 and message in error and len(error) < 600, error[:1000]
 
 
+def test_out_of_memory_is_one_line(tmp_path, monkeypatch):
+    import numpy as np
+
+    import poslab.train.cli
+
+    def allocate(*_args, **_kwargs):
+        return np.empty(2**62, dtype=np.uint8)  # numpy's _ArrayMemoryError, a MemoryError
+    monkeypatch.setattr(poslab.train.cli, "train", allocate)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(BASE))
+    code, _, err = invoke(["train", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "run")])
+    error = check_exit(code, err)
+    assert code == 2 and error.startswith("poslab: error: out of memory (Unable to allocate") and "lower" in error
+
+
 class StillRunning(Exception):
     """Raised by a timer inside a call that should have returned (not an OSError: main would catch that)."""
+
+
+@contextlib.contextmanager
+def within(seconds: int):
+    """Raise StillRunning in the block after ``seconds`` (SIGALRM)."""
+    import signal
+
+    def give_up(*_):
+        raise StillRunning(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, give_up)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("model.n_layers=100000000", "lower model.d_model, model.n_layers"),
+    ("train.batch_size=100000000000", "lower train.batch_size"),
+])
+def test_absurd_sizes_are_refused_before_anything_is_built(tmp_path, override, message, reliability):
+    """The memory check used to build every layer on the meta device (1e8 layers: hours), and ran after the
+    first batch was drawn (a task drew 1e11 problems until memory ran out)."""
+    import time
+
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(BASE))
+    started = time.perf_counter()
+    with within(30):
+        code, _, err = invoke(["train", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "run"), "--set", override])
+    error = check_exit(code, err)
+    assert code == 2 and "need at least" in error and message in error, err
+    assert not (tmp_path / "run").exists()
+    reliability.record("sizes", f"--set {override}", 1, f"refused in {time.perf_counter() - started:.2f} s: "
+                       + error.removeprefix("poslab: error: "))
 
 
 @pytest.mark.slow
@@ -516,24 +567,14 @@ class StillRunning(Exception):
 def test_an_extreme_holdout_is_refused_quickly(tmp_path, holdout, reliability):
     """Splits are drawn by rejection; before holdout was bounded to HOLDOUT_RANGE, these drew problems for hours
     (a give-up limit of 20 x count / share + 100000 draws: 1.6e14 for 1e-12)."""
-    import signal
     import time
 
     raw = json.loads(json.dumps(BASE))
     raw["data"]["holdout"] = holdout
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
-
-    def give_up(*_):
-        raise StillRunning("still drawing problems after 30 s")
-
-    previous = signal.signal(signal.SIGALRM, give_up)
-    signal.alarm(30)
     started = time.perf_counter()
-    try:
+    with within(30):
         code, _, err = invoke(["train", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "run")])
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
     seconds = time.perf_counter() - started
     error = check_exit(code, err)
     assert code == 2 and "holdout must lie in" in error, err

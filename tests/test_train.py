@@ -19,7 +19,7 @@ from torch import nn
 
 import poslab.cli
 from poslab.errors import CheckpointError, ConfigError, PoslabError
-from poslab.models import build_model
+from poslab.models import ARCHS, build_model
 import poslab.train
 from poslab.train import RunConfig, TrainConfig, TrainingDiverged, load_config, load_run, train
 from poslab.train import checkpoint as ckpt
@@ -352,6 +352,25 @@ def test_a_model_that_cannot_learn_from_the_data_is_refused(arch, kind, message)
     raw["data"] = {"kind": kind}  # refused before the source is built
     with pytest.raises(ConfigError, match=re.escape(message)):
         RunConfig.from_dict(raw)
+
+
+@pytest.mark.parametrize("model", [
+    {"arch": "decoder", "positional": {"name": "pope"}, "n_layers": 5},
+    {"arch": "encoder", "positional": {"name": "t5"}, "n_layers": 3},
+    {"arch": "decoder", "positional": {"name": "learned"}, "tie_embeddings": True, "n_layers": 4},
+    {"arch": "decoder", "positional": {"name": "alibi"}, "n_layers": 1},
+    DSTG_MODEL | {"vocab_size": 30, "n_layers": 3},
+])
+def test_the_memory_check_counts_the_model_from_two_layers(model):
+    """The count the memory check extrapolates from one and two layers is the built model's."""
+    config_cls, _ = ARCHS[model["arch"]]
+    config = config_cls.from_dict({"vocab_size": 30, **model})
+    with torch.device("meta"):
+        built = build_model(config)
+    params = list(built.parameters())
+    assert trainer_module.model_sizes(config) == (
+        sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params),
+        sum(b.numel() * b.element_size() for b in built.buffers()))
 
 
 def test_bad_vocab_sequence_length_and_lone_fsdp_are_config_errors(tmp_path):

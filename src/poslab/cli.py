@@ -7,7 +7,9 @@ import argparse
 import importlib
 import sys
 
-from poslab.errors import PoslabError
+import torch  # every command imports it anyway; here only for its OutOfMemoryError
+
+from poslab.errors import PoslabError, cut
 
 COMMAND_MODULES = [
     "poslab.demo",
@@ -45,6 +47,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except OSError as err:  # unreadable input, unwritable output: the user's to fix
         _error(f"{err.strerror or err}: {err.filename or ''}".rstrip(": "))
+        return 2
+    except (MemoryError, torch.cuda.OutOfMemoryError) as err:  # numpy's and CUDA's: sizes it cannot hold
+        what = cut(str(err).split("\n")[0])
+        _error(f"out of memory{f' ({what})' if what else ''}; lower the sizes in the config (train.batch_size, "
+               "model.d_model, model.n_layers, data sizes) or free memory")
         return 2
     except KeyboardInterrupt:
         print("poslab: interrupted", file=sys.stderr)

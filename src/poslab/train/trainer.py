@@ -22,6 +22,7 @@ directory (``DIR/.lock``, see lock.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import random
@@ -136,8 +137,12 @@ class Trainer:
         require(config.model.vocab_size >= self.source.vocab_size,
                 f"model.vocab_size ({config.model.vocab_size}) is smaller than the data's vocabulary "
                 f"({self.source.vocab_size}); set model.vocab_size: null to take it from the data")
-        self._check_width(self.source.train_batch(0, cfg.batch_size, parallel.rank, world))  # before writing
-        _check_memory(config, parallel)
+        # One sequence per process first: its width sizes the memory check, which must come before the whole
+        # batch is drawn (a task source draws a batch of 1e11 problems for hours before memory runs out).
+        probe = self.source.train_batch(0, world, parallel.rank, world)
+        _check_memory(config, parallel, probe["input_ids"].shape[1])
+        batch = self.source.train_batch(0, cfg.batch_size, parallel.rank, world)
+        self._check_width(batch)
         _seed_everything(config.seed)  # the same initial weights on every rank
         model = build_model(config.model)
         last = self._resume_point() if resume else None
@@ -344,27 +349,50 @@ class Trainer:
 
 
 
-def _check_memory(config: RunConfig, parallel: Parallel) -> None:
-    """Refuse a model whose weights, gradients and AdamW moments alone exceed the device's memory: building
-    it would fail with an allocator error, or swap the machine to a halt. Sized on the meta device."""
-    try:
-        with torch.device("meta"):
-            model = build_model(config.model)
-    except (RuntimeError, TypeError) as err:  # sizes past int64 fail even on the meta device
-        if "overflow" not in str(err).lower():
-            raise
-        raise ConfigError(f"the model is too large to build ({str(err).splitlines()[0]}); lower model.d_model, "
-                          "model.n_layers, model.vocab_size or model.max_seq_len") from None
-    count = sum(p.numel() for p in model.parameters())
-    need = (4 * sum(p.numel() * p.element_size() for p in model.parameters())
-            + sum(b.numel() * b.element_size() for b in model.buffers()))
-    need /= parallel.world_size if config.train.fsdp else 1
+def _check_memory(config: RunConfig, parallel: Parallel, width: int) -> None:
+    """Refuse a run whose weights, gradients, AdamW moments and one batch alone exceed the device's memory:
+    building it would fail with an allocator error, or swap the machine to a halt. Counted before anything is
+    built; ``width`` is the number of tokens in one sequence of the batch."""
+    count, weights, buffers = model_sizes(config.model)
+    weights /= parallel.world_size if config.train.fsdp else 1
+    rows = config.train.batch_size // parallel.world_size
+    batch = 3 * 8 * rows * width  # int64 input_ids, labels and attention_mask of this process's share
+    if not config.model.sparse_prediction:  # float32 logits of one micro-batch, which the loss reads
+        batch += 4 * (rows // config.train.grad_accum) * width * config.model.vocab_size
+    # Weights and AdamW moments live throughout; the gradients of a step and the batch's activations peak
+    # at different times, so only the larger counts.
+    need = 3 * weights + buffers + max(weights, batch)
+    state = 4 * weights + buffers
     device = parallel.device
     total = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
              else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    require(need <= total, f"the model's {count:,} parameters need {need / 2**30:,.1f} GiB (weights, gradients, "
-                           f"AdamW moments) per process, more than the {total / 2**30:,.1f} GiB of {device}; lower "
-                           "model.d_model, model.n_layers, model.vocab_size or model.max_seq_len")
+    require(need <= total, f"the model's {count:,} parameters (weights, gradients, AdamW moments: {state / 2**30:,.1f} "
+                           f"GiB) and a batch of {rows:,} sequences of {width} tokens (ids and logits: "
+                           f"{batch / 2**30:,.1f} GiB) need at least {need / 2**30:,.1f} GiB per process, more than "
+                           f"the {total / 2**30:,.1f} GiB of {device}; "
+                           + ("lower model.d_model, model.n_layers, model.vocab_size or model.max_seq_len"
+                              if state >= batch else "lower train.batch_size (or raise train.grad_accum)"))
+
+
+def model_sizes(model_config: Any) -> tuple[int, int, int]:
+    """(parameter count, parameter bytes, buffer bytes) of the model ``model_config`` builds, from copies of
+    one and two layers on the meta device: every layer is alike, and building them all, even there, takes
+    hours for 1e8 layers."""
+    sizes = []
+    for layers in (1, 2):
+        try:
+            with torch.device("meta"):
+                model = build_model(dataclasses.replace(model_config, n_layers=layers))
+        except (RuntimeError, TypeError) as err:  # sizes past int64 fail even on the meta device
+            if "overflow" not in str(err).lower():
+                raise
+            raise ConfigError(f"the model is too large to build ({str(err).splitlines()[0]}); lower "
+                              "model.d_model, model.n_layers, model.vocab_size or model.max_seq_len") from None
+        params = list(model.parameters())
+        sizes.append((sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params),
+                      sum(b.numel() * b.element_size() for b in model.buffers())))
+    one, two = sizes
+    return tuple(a + (model_config.n_layers - 1) * (b - a) for a, b in zip(one, two))
 
 
 def _check_out_dir(out: Path, config: RunConfig, resume: bool, overwrite: bool) -> None:
