@@ -507,6 +507,26 @@ def test_a_value_yaml_cannot_convert_is_one_line(tmp_path, source, given, messag
     assert code == 2 and message in error and len(error) < 600, error[:1000]
 
 
+def test_a_refused_overwrite_or_resume_keeps_the_old_run(tmp_path, reliability):
+    """Checks that need a forward (attn_backend) or the checkpoint (train.steps) run before --overwrite deletes
+    the old run or --resume rewrites its config.yaml."""
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(BASE))
+    run = ["train", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "run")]
+    assert invoke(run)[0] == 0
+    before = {p: p.read_bytes() for p in sorted((tmp_path / "run").rglob("*")) if p.is_file()}
+    refusals = [(["--overwrite", "--set", "train.best_metric=exact_macth"], "unknown train.best_metric"),
+                (["--resume", "--set", "train.steps=1"], "cannot resume: train.steps (1) is below the step")]
+    if not torch.cuda.is_available():
+        refusals.append((["--overwrite", "--set", "model.attn_backend=triton"], "attn_backend 'triton' needs a CUDA"))
+    for flags, message in refusals:
+        code, _, err = invoke(run + flags)
+        assert code == 2 and message in check_exit(code, err), err
+        assert {p: p.read_bytes() for p in sorted((tmp_path / "run").rglob("*")) if p.is_file()} == before, flags
+    reliability.record("run directory", "a refused --overwrite or --resume of a finished run (" + "; ".join(
+        " ".join(flags) for flags, _ in refusals) + ")", len(refusals), "exit 2 in one line; every file of the old "
+        "run byte-identical")
+
+
 def test_out_of_memory_is_one_line(tmp_path, monkeypatch):
     import numpy as np
 

@@ -285,13 +285,14 @@ def test_a_run_resumes_with_sparse_prediction_switched(tmp_path):
 
 
 def _poison_third_forward(monkeypatch):
-    """Make the model's third forward return a NaN loss (a diverging step 3)."""
+    """Make the model's third training forward return a NaN loss (a diverging step 3); the trainer's
+    pre-flight forward runs in eval mode."""
     def build(cfg):
         model = build_model(cfg)
         calls = itertools.count()
 
         def hook(module, args, kwargs, out):
-            if next(calls) == 2:
+            if module.training and next(calls) == 2:
                 out["loss"] = out.loss * math.nan
             return out
         model.register_forward_hook(hook, with_kwargs=True)
@@ -329,6 +330,50 @@ def test_output_directory_rules(tmp_path):
     assert train(more, tmp_path / "run", resume=True)["step"] == 3
     assert train(other, tmp_path / "run", overwrite=True)["step"] == 2
     assert load_config(tmp_path / "run/config.yaml").seed == 1
+
+
+def files(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_a_refused_run_leaves_the_old_run_byte_identical(tmp_path):
+    """Every check that needs no training step runs before the run directory is touched: a refused --overwrite
+    deletes nothing, a refused --resume rewrites no config.yaml, a refused new run leaves no directory."""
+    train(RunConfig.from_dict(tiny_config(steps=2, checkpoint_every=1)), tmp_path / "run")
+    before = files(tmp_path / "run")
+    longer = tiny_config(steps=2, eval_split="test_long")  # longer than the learned table: found by a forward
+    longer["model"].update(positional={"name": "learned"}, max_seq_len=10)
+    longer["data"].update(max_len=8, train_max_len=4)
+    refusals = [(tiny_config(best_metric="exact_macth"), {"overwrite": True}, "unknown train.best_metric"),
+                (tiny_config(steps=1), {"resume": True},
+                 r"cannot resume: train.steps \(1\) is below the step .*last was saved at \(2\); set train.steps to 2"),
+                (longer, {"overwrite": True}, "evaluating train.eval_split 'test_long' would fail: position 16 is "
+                                              "beyond the learned position table")]
+    if not torch.cuda.is_available():  # only a forward finds that the fused kernel cannot run here
+        triton = tiny_config(steps=2)
+        triton["model"].update(positional={"name": "pope"}, attn_backend="triton")
+        refusals.append((triton, {"overwrite": True}, "attn_backend 'triton' needs a CUDA GPU"))
+    for raw, mode, message in refusals:
+        if "overwrite" in mode:  # the same config as a new run
+            with pytest.raises(PoslabError, match=message):
+                train(RunConfig.from_dict(raw), tmp_path / "new")
+            assert not (tmp_path / "new").exists()
+        with pytest.raises(PoslabError, match=message):
+            train(RunConfig.from_dict(raw), tmp_path / "run", **mode)
+        assert files(tmp_path / "run") == before, mode
+
+
+def test_resuming_a_finished_run_prints_strict_json(tmp_path, capsys):
+    """No step is left to train, so there is no throughput: null, not NaN (which is not JSON)."""
+    path = write_config(tmp_path / "c.yaml", tiny_config(steps=2))
+    assert poslab.cli.main(["train", str(path), "--out", str(tmp_path / "run")]) == 0
+    capsys.readouterr()
+    assert poslab.cli.main(["train", str(path), "--out", str(tmp_path / "run"), "--resume"]) == 0
+
+    def not_json(constant):
+        raise AssertionError(f"{constant} in the summary line")
+    final = json.loads(capsys.readouterr().out, parse_constant=not_json)
+    assert final["step"] == 2 and final["tokens_per_s"] is None and math.isfinite(final["eval_loss"])
 
 
 DSTG_MODEL = {"arch": "dstg", "vocab_size": None, "n_layers": 1, "n_heads": 2, "d_ap": 8, "d_sem": 24,

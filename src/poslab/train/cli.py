@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 
 from poslab.train import load_config, train
@@ -29,5 +30,8 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     final = train(config, args.out, resume=args.resume, overwrite=args.overwrite)
     if int(os.environ.get("RANK", 0)) == 0:  # one summary line, not one per torchrun process
-        print(json.dumps(final))
+        # JSON has no NaN or infinity (Python would write a bare NaN that other parsers refuse): null instead,
+        # e.g. tokens_per_s of a resumed run that had no step left to train.
+        summary = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in final.items()}
+        print(json.dumps(summary, allow_nan=False))
     return 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from collections.abc import Iterator
 
 import torch
 
@@ -46,6 +47,14 @@ def check(config: RunConfig, source: BatchSource) -> None:
         raise ConfigError(unknown_key_message("train.best_metric", train.best_metric, metrics(config)))
 
 
+def batches(config: RunConfig, source: BatchSource) -> Iterator[dict[str, torch.Tensor]]:
+    """The batches ``evaluate`` reads: the whole split when it scores answers, else the first
+    ``train.eval_batches``."""
+    train = config.train
+    limit = None if _scores_answers(config) else train.eval_batches
+    return itertools.islice(source.eval_batches(train.eval_split, train.eval_batch_size or train.batch_size), limit)
+
+
 def targets(labels: torch.Tensor, causal: bool) -> torch.Tensor:
     """The labels the loss scores: shifted left by one for a causal model. (b, n) -> (b, n or n - 1)."""
     return labels[:, 1:] if causal else labels
@@ -67,7 +76,7 @@ def evaluate(model: torch.nn.Module, source: BatchSource, config: RunConfig, dev
             return tasks.evaluate(logits_of, source, train.eval_split, batch_size, device)
         loss = torch.zeros((), dtype=torch.float64)
         tokens = correct = 0
-        for batch in itertools.islice(source.eval_batches(train.eval_split, batch_size), train.eval_batches):
+        for batch in batches(config, source):
             batch = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "labels") if k in batch}
             with autocast:
                 out = model(**batch)

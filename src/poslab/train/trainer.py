@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_optimizer_state_dict
 
-from poslab.errors import CheckpointError, ConfigError, DataError, PoslabError, require
+from poslab.errors import CheckpointError, ConfigError, DataError, InputError, PoslabError, require
 from poslab.models import build_model
 from poslab.train import checkpoint as ckpt
 from poslab.train import evaluation
@@ -148,17 +148,21 @@ class Trainer:
         last = self._resume_point() if resume else None
         if last is not None:
             state = ckpt.load_trainer_state(last)
+            require(cfg.steps >= state["step"],
+                    f"cannot resume: train.steps ({cfg.steps}) is below the step {last} was saved at "
+                    f"({state['step']}); set train.steps to {state['step']} or more")
             ckpt.load_weights(model, last)
         _seed_everything(config.seed + parallel.rank)  # independent dropout masks per rank
         model.to(self.device)
+        precision = {"auto": "bf16" if self.device.type == "cuda" else "fp32"}.get(cfg.precision, cfg.precision)
+        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if precision == "bf16"
+                         else contextlib.nullcontext())
+        self._preflight(model, batch)
         if cfg.compile:
             model.compile()
         self.model = parallel.wrap(model, cfg.fsdp)
         self.optimizer = build_optimizer(self.model, cfg, self.device)
         self.scheduler = build_scheduler(self.optimizer, cfg)
-        precision = {"auto": "bf16" if self.device.type == "cuda" else "fp32"}.get(cfg.precision, cfg.precision)
-        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if precision == "bf16"
-                         else contextlib.nullcontext())
 
         self.step, self.best, self.last_loss = 0, None, math.nan
         if last is not None:
@@ -182,6 +186,29 @@ class Trainer:
             if last is not None:
                 self.monitor.message(f"resumed {self.out} at step {self.step} from {last}")
         parallel.barrier()
+
+    def _preflight(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> None:
+        """Forward one sequence of the first training batch and the widest of the evaluation, as training and
+        evaluation run them (device, precision, padding), before the run directory is touched: what only a
+        forward finds must not cost the run that --overwrite would replace, nor a whole run (attn_backend
+        'triton' on a device without it; an evaluation split longer than a learned position table, otherwise
+        found by the final evaluation). No gradients, eval mode (no dropout draws): the random state is kept."""
+        def forward(rows: dict[str, torch.Tensor]) -> None:
+            with torch.no_grad(), self.autocast:
+                model(**{k: rows[k][:1].to(self.device) for k in MODEL_INPUTS if k in rows})
+
+        widest = max(evaluation.batches(self.config, self.source), key=lambda b: b["input_ids"].shape[1], default=None)
+        was_training = model.training
+        model.eval()
+        try:
+            forward(batch)
+            if widest is not None:
+                try:
+                    forward(widest)
+                except InputError as err:
+                    raise InputError(f"evaluating train.eval_split '{self.cfg.eval_split}' would fail: {err}") from None
+        finally:
+            model.train(was_training)
 
     def _resume_point(self) -> Path | None:
         """The checkpoint to resume from, or None when the run died before writing its first one."""
