@@ -484,7 +484,7 @@ def test_cli_writes_run_and_plain_progress_lines(tmp_path, capsys):
         args.func(args)  # the run exists: refused without --resume/--overwrite
 
 
-def test_cli_errors_are_one_line_and_exit_2(tmp_path, capsys):
+def test_cli_errors_are_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     path = write_config(tmp_path / "c.yaml", tiny_config(steps=1))
     (tmp_path / "bad.yaml").write_text("train: {steps: [1\n")
     cases = [
@@ -493,12 +493,16 @@ def test_cli_errors_are_one_line_and_exit_2(tmp_path, capsys):
         [str(path), "--out", str(tmp_path / "c"), "--resume"],
         [str(path), "--out", str(tmp_path / "d"), "--resume", "--overwrite"],
         [str(path), "--out", str(tmp_path / "e"), "--set", "train.best_metric=exact_macth"],
+        ["", "--out", str(tmp_path / "f")],  # an empty path is the current directory, not a config
+        [str(path), "--out", ""],
     ]
+    monkeypatch.chdir(tmp_path)  # were --out "" taken as the current directory, it would be this one
     for argv in cases:
         assert poslab.cli.main(["train", *argv]) == 2
         err = capsys.readouterr().err
         assert err.startswith("poslab") and err.count("\n") == 1, err
-    assert not any((tmp_path / name).exists() for name in "abcde")  # nothing written on error
+    assert not any((tmp_path / name).exists() for name in "abcdef")  # nothing written on error
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml", "c.yaml"]
     assert poslab.cli.main(["train", str(path), "--out", str(tmp_path / "ok")]) == 0
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from poslab.batches import SOURCES, BatchSource, build_batch_source
+from poslab.arguments import read_yaml
 from poslab.errors import (ConfigError, check_fields, check_type, cut, finite, known_fields, lookup, parse_number,
                            require, shown)
 from poslab.models import ARCHS, DSTGConfig, ModelConfig
@@ -176,21 +177,7 @@ class RunConfig:
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     """Read a YAML run config, apply ``key.path=value`` overrides, validate."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as err:
-        raise ConfigError(f"cannot read config {path}: {err.strerror}") from None
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"config {path} is not UTF-8 text (byte {err.start} is invalid)") from None
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        where = getattr(err, "problem_mark", None)
-        line = f" line {where.line + 1}" if where is not None else ""
-        raise ConfigError(f"{path}:{line} is not valid YAML: {getattr(err, 'problem', None) or err}") from None
-    except ValueError as err:  # a scalar YAML cannot convert: a date 2001-13-01, an integer of 5000 digits
-        raise ConfigError(f"{path} holds a value YAML cannot read: {cut(str(err).split(';')[0])}") from None
+    raw = read_yaml(path)
     raw = {} if raw is None else raw
     require(isinstance(raw, dict), f"{path} must hold a mapping of seed/model/data/train, got {type(raw).__name__}")
     for item in overrides:
