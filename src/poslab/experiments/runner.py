@@ -78,7 +78,8 @@ def resolve(names: list[str]) -> list[str]:
     if names == ["all"]:
         return list(RECIPES)
     if "all" in names:
-        raise ConfigError(f"'all' runs every recipe, so give it alone, not with {', '.join(n for n in names if n != 'all')}")
+        others = ", ".join(n for n in names if n != "all")
+        raise ConfigError(f"'all' runs every recipe, so give it alone, not with {others}")
     for name in names:
         if name not in RECIPES:
             raise ConfigError(unknown_key_message("recipe", name, list(RECIPES) + ["all"]))
