@@ -173,3 +173,25 @@ def test_options_take_numbers_in_yamls_string_spelling():
         PoPEOptions(base="ten thousand")
     with pytest.raises(ConfigError, match="rope.original_max_len must be an integer or null"):
         RoPEOptions(original_max_len="2048.5")
+
+
+@pytest.mark.parametrize("name", ["nope", "learned", "sinusoidal", "rope", "t5", "alibi", "pope"])
+def test_scheme_capabilities_say_what_the_scheme_does(name):
+    """bias_only (what DSTG accepts as its relative term) and context_scaling (what extrapolation rescales)
+    are read by other modules instead of scheme names, so they must be true to the scheme."""
+    import dataclasses
+
+    from poslab.positional import SCHEMES
+
+    scheme = SCHEMES[name]
+    geometry = AttentionGeometry(n_layers=2, n_heads=2, head_dim=8, d_model=16, max_seq_len=16, causal=True)
+    input_pos, layers = build_positional(PositionalConfig(name), geometry)
+    q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    pos = torch.arange(5)[None]
+    layer = layers[0]
+    q_out, k_out = layer.transform_qk(q, k, pos, pos) if layer is not None else (q, k)
+    bias = layer.logit_bias(pos, pos) if layer is not None else None
+    touches_only_bias = input_pos is None and torch.equal(q_out, q) and torch.equal(k_out, k) and bias is not None
+    assert scheme.bias_only == touches_only_bias
+    option_names = {f.name for f in dataclasses.fields(scheme.Options)}
+    assert scheme.context_scaling == ({"scaling", "factor", "original_max_len"} <= option_names)

@@ -28,7 +28,7 @@ from poslab.analysis.similarity import cosine_self_similarity, sequence_adjacenc
 from poslab.analysis.spectra import pca, spectrum_summary
 from poslab.analysis.variance import variance_profile, variance_trend
 from poslab.errors import ConfigError, DataError
-from poslab.positional import InputPositional
+from poslab.positional import InputPositional, get_scheme
 
 STREAMS = ["embed", "embed.*", "blocks.*.resid_post", "blocks.*.resid_post.*"]
 ATTN_OUT = ["blocks.*.attn_out", "blocks.*.attn_out.*"]
@@ -344,7 +344,7 @@ def extrapolation(run: Run, opts: Options) -> dict:
         lengths = [max(1, round(f * base)) for f in opts.factors]
         curves = {"none": evaluate_lengths(r.config, r.model, lengths, opts.sequences, opts.batch_size,
                                            eval_data=opts.eval_data)}
-        if r.config.model.to_dict().get("positional", {}).get("name") == "rope":
+        if get_scheme(r.config.model.to_dict().get("positional", {}).get("name", "nope")).context_scaling:
             for scaling in opts.scalings:
                 curves[scaling] = rope_scaled_lengths(r.config, r.model, lengths, scaling, opts.sequences,
                                                       opts.batch_size, eval_data=opts.eval_data)

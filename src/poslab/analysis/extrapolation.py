@@ -44,6 +44,7 @@ import torch
 
 from poslab.errors import ConfigError, PoslabError, unknown_key_message
 from poslab.models import build_model
+from poslab.positional import get_scheme
 from poslab.train.config import RunConfig
 from poslab.train.evaluation import evaluate
 
@@ -194,7 +195,7 @@ def with_rope_scaling(config: RunConfig, model: torch.nn.Module, scaling: str, f
         raise ConfigError(unknown_key_message("RoPE scaling", scaling, ROPE_SCALINGS))
     spec = config.model.to_dict()
     scheme = spec.get("positional", {}).get("name")
-    if scheme != "rope":
+    if not get_scheme(scheme).context_scaling:
         raise ConfigError(f"RoPE scaling applies to rope models; this run's positional scheme is '{scheme}'")
     name, scaled_factor = ROPE_SCALINGS[scaling]
     spec["positional"]["options"] = {**spec["positional"]["options"], "scaling": name,

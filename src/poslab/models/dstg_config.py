@@ -11,10 +11,10 @@ from typing import Any
 
 from poslab.attention import BACKENDS
 from poslab.errors import check_fields, is_int, known_fields, require
-from poslab.positional import PositionalConfig
+from poslab.positional import SCHEMES, PositionalConfig
 
 #: Relative schemes DSTG can take: those that only add a (heads, n, m) logit bias.
-RP_SCHEMES = ("t5", "alibi")
+RP_SCHEMES = tuple(name for name, scheme in SCHEMES.items() if scheme.bias_only)
 #: The ``attn_backend`` values DSTG runs: the fused-kernel backend belongs to PoPE.
 DSTG_BACKENDS = tuple(b for b in BACKENDS if b != "triton")
 

@@ -51,6 +51,7 @@ class ALiBiBias(LayerPositional):
 class ALiBi(Scheme):
     name = "alibi"
     Options = ALiBiOptions
+    bias_only = True
 
     @classmethod
     def build(cls, options: ALiBiOptions, geometry: AttentionGeometry):

@@ -109,6 +109,10 @@ class Scheme(abc.ABC):
 
     name: ClassVar[str]
     Options: ClassVar[type]
+    #: Touches attention only through ``logit_bias`` (T5, ALiBi): what DSTG can take as its relative term.
+    bias_only: ClassVar[bool] = False
+    #: Its options take ``scaling``/``factor``/``original_max_len`` for evaluation past the training length.
+    context_scaling: ClassVar[bool] = False
 
     @classmethod
     @abc.abstractmethod

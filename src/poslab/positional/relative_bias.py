@@ -82,6 +82,7 @@ class RelativeBias(LayerPositional):
 class T5RelativeBias(Scheme):
     name = "t5"
     Options = T5Options
+    bias_only = True
 
     @classmethod
     def build(cls, options: T5Options, geometry: AttentionGeometry):

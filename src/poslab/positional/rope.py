@@ -144,6 +144,7 @@ class RotaryLayer(LayerPositional):
 class RoPE(Scheme):
     name = "rope"
     Options = RoPEOptions
+    context_scaling = True
 
     @classmethod
     def build(cls, options: RoPEOptions, geometry: AttentionGeometry):
