@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from poslab.files import atomic_write, atomic_write_text
 
 
 def _pyplot():
@@ -21,19 +21,6 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
-
-
-def _atomic(path: Path, write) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
 
 
 def _clean(value: Any) -> Any:
@@ -49,11 +36,11 @@ def _clean(value: Any) -> Any:
 
 def write_json(path: Path, data: dict) -> Path:
     text = json.dumps(_clean(data), indent=2, allow_nan=False)
-    return _atomic(Path(path), lambda tmp: Path(tmp).write_text(text + "\n"))
+    return atomic_write_text(path, text + "\n")
 
 
 def save_figure(fig, path: Path) -> Path:
-    out = _atomic(Path(path), lambda tmp: fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png"))
+    out = atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png"))
     _pyplot().close(fig)
     return out
 

@@ -26,6 +26,7 @@ import torch
 from poslab.errors import ConfigError, PoslabError, unknown_key_message
 from poslab.experiments.claims import Claim
 from poslab.experiments.common import ensure_runs
+from poslab.files import atomic_write_text
 from poslab.train.parallel import Parallel
 
 SCALES = ("quick", "paper", "smoke")  # smoke: seconds-long runs that exercise a recipe in tests
@@ -87,14 +88,7 @@ def resolve(names: list[str]) -> list[str]:
 
 
 def write_json(path: Path, data: Any) -> None:
-    """Write via a temporary file and rename, so readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(data, indent=2, default=str))
 
 
 def load_finished(out: Path, log: Callable[[str], None]) -> dict[str, dict[str, Any]]:
@@ -212,6 +206,4 @@ def _write_all(out: Path, scale: str, recipes: dict[str, Any], jobs: int) -> Non
             "seconds": round(sum(recipes[n]["seconds"] for n in order), 1),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     write_json(out / "results.json", data)
-    tmp = out / ".report.md.tmp"
-    tmp.write_text(render_report(data))
-    os.replace(tmp, out / "report.md")
+    atomic_write_text(out / "report.md", render_report(data))

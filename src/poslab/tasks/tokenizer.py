@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 
 from poslab.errors import ConfigError, DataError
+from poslab.files import atomic_write_text
 
 SPECIALS = ("<pad>", "<bos>", "<eos>")
 FORMAT = "poslab.CharTokenizer"
@@ -67,16 +67,8 @@ class CharTokenizer:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write JSON atomically (temporary file in the same directory, then rename)."""
-        path = Path(path)
         payload = json.dumps({"format": FORMAT, "specials": list(SPECIALS), "chars": self.chars}, indent=1)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(payload + "\n")
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        atomic_write_text(path, payload + "\n")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> CharTokenizer:

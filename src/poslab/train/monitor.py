@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -17,6 +16,8 @@ from typing import Any, TextIO
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from poslab.files import atomic_write_text
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -29,9 +30,7 @@ def truncate_metrics(path: Path, last_step: int) -> None:
         return
     lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     keep = [line for line in lines if (step := _record_step(line)) is not None and step <= last_step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(line + "\n" for line in keep))
 
 
 def _record_step(line: str) -> int | None:

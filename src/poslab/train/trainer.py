@@ -36,6 +36,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_optimizer_state_dict
 
 from poslab.errors import CheckpointError, ConfigError, DataError, InputError, PoslabError, require
+from poslab.files import atomic_write_text
 from poslab.models import build_model
 from poslab.train import checkpoint as ckpt
 from poslab.train import evaluation
@@ -448,9 +449,7 @@ def _init_out_dir(out: Path, config: RunConfig, overwrite: bool) -> None:
             else:
                 path.unlink()
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".{CONFIG_FILE}.tmp"
-    tmp.write_text(config.to_yaml())
-    os.replace(tmp, out / CONFIG_FILE)
+    atomic_write_text(out / CONFIG_FILE, config.to_yaml())
     (out / CHECKPOINTS).mkdir(exist_ok=True)
 
 

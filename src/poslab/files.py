@@ -1,0 +1,34 @@
+"""Writing a file so that no reader, and no crash, ever sees half of it.
+
+The content goes to a temporary file in the same directory (a rename is atomic only within one file
+system), is flushed to disk, and is then renamed over the target; on any failure the temporary file is
+removed and the target is left as it was.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:
+    """Call ``write(tmp)`` to fill a temporary sibling of ``path``, then rename it into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:  # the rename must not reach the disk before the content does
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """``path`` holds ``text`` (UTF-8), whole or not at all."""
+    return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
