@@ -23,6 +23,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from poslab.data.rng import mix64
 from poslab.errors import ConfigError, DataError, require, unknown_key_message
 from poslab.tasks.base import Ragged, Task, concat, stack
 from poslab.tasks.tokenizer import CharTokenizer
@@ -45,22 +46,15 @@ class Problems(NamedTuple):
         return len(self.prompt.lens)
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser: a bijection of uint64 that scrambles every bit."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
 def problem_hash(prompt: Ragged, salt: int) -> np.ndarray:
     """(batch,) uint64 hash of each prompt's characters, independent of the padding width."""
     width = prompt.codes.shape[1]
     cols = np.arange(width, dtype=np.uint64)
-    salted = _mix(np.full(1, salt, dtype=np.uint64))
-    # (position, character) pairs are distinct integers, and _mix keeps them distinct.
-    terms = _mix(((cols << np.uint64(8)) | prompt.codes.astype(np.uint64)) ^ salted)
+    salted = mix64(np.full(1, salt, dtype=np.uint64))
+    # (position, character) pairs are distinct integers, and mix64 keeps them distinct.
+    terms = mix64(((cols << np.uint64(8)) | prompt.codes.astype(np.uint64)) ^ salted)
     terms = np.where(np.arange(width) < prompt.lens[:, None], terms, np.uint64(0))
-    return _mix(terms.sum(axis=1, dtype=np.uint64) ^ prompt.lens.astype(np.uint64))
+    return mix64(terms.sum(axis=1, dtype=np.uint64) ^ prompt.lens.astype(np.uint64))
 
 
 class TaskSource:
