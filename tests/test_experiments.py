@@ -267,7 +267,10 @@ def test_reproduce_under_torchrun(tmp_path):
                "reproduce", "indirect-indexing", "extrapolation", "frequencies", "--scale", "smoke", "--out",
                str(tmp_path)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-2000:]
+    # torchrun's summary (the tail) names only the signal; the worker's own error line comes earlier.
+    causes = [line for line in result.stderr.splitlines()
+              if any(word in line for word in ("Error", "error:", "terminate", "what()", "Exception"))]
+    assert result.returncode == 0, "\n".join(causes[:20]) + "\n...\n" + result.stderr[-1500:]
     assert result.stdout.count("claims held; report:") == 1
     data = json.loads((tmp_path / "results.json").read_text())
     assert list(data["recipes"]) == ["indirect-indexing", "extrapolation", "frequencies"]
