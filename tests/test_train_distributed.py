@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
@@ -19,10 +19,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _store() -> dist.TCPStore:
+    """A rendezvous store on a port this process holds until the test ends, as torchrun's agent hosts one.
+
+    Not a free port picked ahead (bind, close, use later): between the pick and the use another process,
+    such as a torchrun test on the other xdist worker, may take that port, and a rank connecting to it
+    then talks to a stranger (it aborted that test's gloo workers with SIGABRT)."""
+    return dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False)
 
 
 def _worker(rank: int, root: str, runs: list[tuple[str, dict, bool, int]]) -> None:
@@ -30,7 +33,7 @@ def _worker(rank: int, root: str, runs: list[tuple[str, dict, bool, int]]) -> No
     torch.set_num_threads(1)
     for name, raw, resume, port in runs:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                          WORLD_SIZE=str(WORLD))
+                          WORLD_SIZE=str(WORLD), TORCHELASTIC_USE_AGENT_STORE="True")
         final = train(RunConfig.from_dict(raw), Path(root) / name, resume=resume)
         (Path(root) / f"{name}.rank{rank}.json").write_text(json.dumps(final))
 
@@ -42,11 +45,12 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path):
     mlm = tiny_mlm_config(tmp_path / "cache", **settings)
     train(RunConfig.from_dict(mlm), tmp_path / "single_mlm")
     # FSDP is also resumed for one more step: the optimizer state goes from a full checkpoint to shards.
-    runs = [("ddp", tiny_config(**settings), False, _free_port()),
-            ("ddp_mlm", mlm, False, _free_port()),
-            ("fsdp_mlm", {**mlm, "train": {**mlm["train"], "fsdp": True}}, False, _free_port()),
-            ("fsdp", tiny_config(**settings, fsdp=True), False, _free_port()),
-            ("fsdp", tiny_config(**settings | {"steps": 4}, fsdp=True), True, _free_port())]
+    stores = [_store() for _ in range(5)]  # one per run: a store's keys belong to one process group
+    runs = [("ddp", tiny_config(**settings), False, stores[0].port),
+            ("ddp_mlm", mlm, False, stores[1].port),
+            ("fsdp_mlm", {**mlm, "train": {**mlm["train"], "fsdp": True}}, False, stores[2].port),
+            ("fsdp", tiny_config(**settings, fsdp=True), False, stores[3].port),
+            ("fsdp", tiny_config(**settings | {"steps": 4}, fsdp=True), True, stores[4].port)]
     # fork, not spawn: the workers inherit the imported modules instead of importing torch and
     # transformers again (seconds per process on two cores); the fixture set one thread before.
     mp.start_processes(_worker, args=(str(tmp_path), runs), nprocs=WORLD, start_method="fork")
