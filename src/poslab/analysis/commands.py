@@ -16,8 +16,8 @@ from torch import nn
 
 from poslab.analysis import plots
 from poslab.analysis.capture import collect, iterate_captures
-from poslab.analysis.extrapolation import (ROPE_SCALINGS, evaluate_lengths, rope_scaled_lengths, training_length,
-                                           training_tokens)
+from poslab.analysis.extrapolation import (ROPE_SCALINGS, evaluate_lengths, evaluation_config, rope_scaled_lengths,
+                                           training_length, training_tokens)
 from poslab.analysis.frequencies import frequency_sums, usage_summary
 from poslab.analysis.heads import allowed_keys, label_heads, term_variances, variance_shares
 from poslab.analysis.probes import (absolute_positions, classification_probe, cosine_features, mlp_probe,
@@ -342,12 +342,12 @@ def extrapolation(run: Run, opts: Options) -> dict:
     for r in runs:
         base = training_length(r.config)
         lengths = [max(1, round(f * base)) for f in opts.factors]
-        curves = {"none": evaluate_lengths(r.config, r.model, lengths, opts.sequences, opts.batch_size,
-                                           eval_data=opts.eval_data)}
+        evaluated = evaluation_config(r.config, opts.eval_data)  # prepared and checked once, not per curve
+        curves = {"none": evaluate_lengths(evaluated, r.model, lengths, opts.sequences, opts.batch_size)}
         if get_scheme(r.config.model.to_dict().get("positional", {}).get("name", "nope")).context_scaling:
             for scaling in opts.scalings:
-                curves[scaling] = rope_scaled_lengths(r.config, r.model, lengths, scaling, opts.sequences,
-                                                      opts.batch_size, eval_data=opts.eval_data)
+                curves[scaling] = rope_scaled_lengths(evaluated, r.model, lengths, scaling, opts.sequences,
+                                                      opts.batch_size)
         data["runs"][r.name] = {"dir": str(r.dir), "training_length": base, "curves": curves}
         for scaling, records in curves.items():
             key = r.name if scaling == "none" else f"{r.name} +{scaling}"
