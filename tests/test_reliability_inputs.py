@@ -527,18 +527,31 @@ def test_a_refused_overwrite_or_resume_keeps_the_old_run(tmp_path, reliability):
         "run byte-identical")
 
 
-def test_out_of_memory_is_one_line(tmp_path, monkeypatch):
-    import numpy as np
-
+@pytest.mark.parametrize("library, allocation, message", [
+    # numpy's _ArrayMemoryError is a MemoryError; torch's CPU allocator raises a plain RuntimeError
+    ("numpy", lambda: __import__("numpy").empty(2**62, dtype="uint8"), "Unable to allocate"),
+    ("torch", lambda: __import__("torch").empty(2**60, dtype=__import__("torch").uint8), "DefaultCPUAllocator"),
+])
+def test_out_of_memory_is_one_line(library, allocation, message, tmp_path, monkeypatch):
     import poslab.train.cli
 
-    def allocate(*_args, **_kwargs):
-        return np.empty(2**62, dtype=np.uint8)  # numpy's _ArrayMemoryError, a MemoryError
-    monkeypatch.setattr(poslab.train.cli, "train", allocate)
+    monkeypatch.setattr(poslab.train.cli, "train", lambda *_args, **_kwargs: allocation())
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(BASE))
     code, _, err = invoke(["train", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "run")])
     error = check_exit(code, err)
-    assert code == 2 and error.startswith("poslab: error: out of memory (Unable to allocate") and "lower" in error
+    assert code == 2 and error.startswith("poslab: error: out of memory (") and message in error and "lower" in error
+
+
+def test_other_runtime_errors_are_not_called_out_of_memory(tmp_path, monkeypatch):
+    """A RuntimeError that is not a failed allocation is a bug: it keeps its traceback."""
+    import poslab.train.cli
+
+    def fail(*_args, **_kwargs):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+    monkeypatch.setattr(poslab.train.cli, "train", fail)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(BASE))
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        poslab.cli.main(["train", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "run")])
 
 
 class StillRunning(Exception):

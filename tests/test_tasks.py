@@ -311,7 +311,10 @@ def test_tokenizer_round_trip_and_file(tmp_path):
     ("indexing", {"holdout": 1e-12}, r"indexing.holdout must lie in \[0.0001, 0.45\]"),
     ("indexing", {"holdout": float("nan")}, "indexing.holdout must be a finite number"),
     ("indexing", {"data_seed": 2**64}, r"indexing.data_seed must lie in \[0, 2\^64\)"),
-    ("indexing", {"test_size": 0}, "indexing.test_size must be >= 1"),
+    ("indexing", {"test_size": 0}, r"indexing.test_size must lie in \[1, 10,000,000\]"),
+    # 10^12 drew problems for over 5 minutes before it was stopped: splits are drawn whole.
+    ("reversal", {"validation_size": 10**12}, r"reversal.validation_size must lie in \[1, 10,000,000\]"),
+    ("indexing", {"train_size": 10**8}, r"indexing.train_size must lie in \[1, 10,000,000\] \(splits are drawn"),
     ("indexing", {"train_size": 2.5}, "indexing.train_size must be an integer or null"),
     ("ordering", {"max_len": 30}, "ordering.max_len must be <= 28"),
     # 10^11 asked numpy for 745 GiB (an array of every length); the bound says why it is there.

@@ -11,6 +11,8 @@ import torch  # every command imports it anyway; here only for its OutOfMemoryEr
 
 from poslab.errors import PoslabError, cut
 
+CPU_ALLOCATOR = "DefaultCPUAllocator"  # in the message of torch's failed CPU allocations
+
 COMMAND_MODULES = [
     "poslab.demo",
     "poslab.tasks.cli",
@@ -49,13 +51,23 @@ def main(argv: list[str] | None = None) -> int:
         _error(f"{err.strerror or err}: {err.filename or ''}".rstrip(": "))
         return 2
     except (MemoryError, torch.cuda.OutOfMemoryError) as err:  # numpy's and CUDA's: sizes it cannot hold
-        what = cut(str(err).split("\n")[0])
-        _error(f"out of memory{f' ({what})' if what else ''}; lower the sizes in the config (train.batch_size, "
-               "model.d_model, model.n_layers, data sizes) or free memory")
+        _out_of_memory(err)
+        return 2
+    except RuntimeError as err:
+        # torch's CPU allocator reports a failed allocation as a plain RuntimeError; anything else is a bug.
+        if CPU_ALLOCATOR not in str(err):
+            raise
+        _out_of_memory(err)
         return 2
     except KeyboardInterrupt:
         print("poslab: interrupted", file=sys.stderr)
         return 130
+
+
+def _out_of_memory(err: BaseException) -> None:
+    what = cut(str(err).split("\n")[0])
+    _error(f"out of memory{f' ({what})' if what else ''}; lower the sizes in the config (train.batch_size, "
+           "model.d_model, model.n_layers, data sizes) or free memory")
 
 
 def _error(message: str) -> None:

@@ -92,6 +92,8 @@ HOLDOUT_RANGE = (1e-4, 0.45)
 # to max_len (TaskSource._draw): at this length drawing the default validation split of addition already
 # takes 1.5 GB. (max_len 10^11 asked numpy for 745 GiB, to list the lengths.)
 MAX_LEN = 512
+# Splits are drawn and held in memory whole (up to ~1 KB a problem at MAX_LEN); the papers' largest is 1M.
+MAX_SIZE = 10_000_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +133,9 @@ class TaskOptions:
                 f"got {self.train_max_len}")
         for name in ("train_size", "validation_size", "test_size"):
             value = getattr(self, name)
-            require(value is None or value >= 1, f"{t}.{name} must be >= 1, got {value}")
+            require(value is None or 1 <= value <= MAX_SIZE,
+                    f"{t}.{name} must lie in [1, {MAX_SIZE:,}] (splits are drawn and held in memory whole), "
+                    f"got {value}")
         low, high = HOLDOUT_RANGE
         require(low <= self.holdout <= high, f"{t}.holdout must lie in [{low}, {high}], got {self.holdout}")
         require(0 <= self.data_seed < 2**64, f"{t}.data_seed must lie in [0, 2^64), got {self.data_seed}")
