@@ -29,11 +29,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="where trained models are measured (default auto: the CUDA device when there is one, "
                         "else the CPU; trainings follow each run config's train.device)")
     p.add_argument("--list", action="store_true", help="list the recipes and exit")
+    p.add_argument("--plan", action="store_true",
+                   help="print what the recipes would train at --scale (models, tokens, training FLOPs, progress "
+                        "in --out) and exit without training or writing anything")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from poslab.experiments.runner import RECIPES, reproduce
+    from poslab.experiments.runner import RECIPES, check_scale, reproduce, resolve
 
     if args.list:
         for name, (_, description) in RECIPES.items():
@@ -41,6 +44,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not args.names:
         raise PoslabError("name a recipe or 'all' (see 'poslab reproduce --list')")
+    if args.plan:
+        from poslab.experiments.plan import plan, render
+
+        print(render(plan(resolve(args.names), check_scale(args.scale), args.out), args.scale))
+        return 0
     small = args.scale in ("quick", "smoke")
     threads = args.threads if args.threads is not None else (1 if small else None)
     if threads is not None:

@@ -35,8 +35,9 @@ SCALES = {
               "train": {"steps": 3, "batch_size": 8, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 1},
               "factors": (1, 2), "sequences": 8, "eval_data": None},
     # The paper trains 124M-774M models at 1024 tokens on OpenWebText and evaluates on PG-19 up to 10240.
+    # 124M as GPT-2 counts it: input and output embeddings tied (untied, this shape has 162M parameters).
     "paper": {"data": "lm_paper.yaml", "documents": None, "tokenizer_documents": None, "seq_len": 1024,
-              "model": {"d_model": 768, "n_layers": 12, "n_heads": 12},
+              "model": {"d_model": 768, "n_layers": 12, "n_heads": 12, "tie_embeddings": True},
               "train": {"steps": 100000, "batch_size": 512, "lr": 6e-4, "min_lr": 6e-5, "warmup_steps": 2000,
                         "betas": [0.9, 0.95]},
               "factors": (1, 2, 4, 6, 8, 10), "sequences": 256, "eval_data": "pg19_eval.yaml"},

@@ -75,6 +75,12 @@ def machine(jobs: int = 1) -> dict[str, Any]:
     return info
 
 
+def check_scale(scale: str) -> str:
+    if scale not in SCALES:
+        raise ConfigError(f"--scale must be one of {', '.join(SCALES)}, got '{scale}'")
+    return scale
+
+
 def resolve(names: list[str]) -> list[str]:
     if names == ["all"]:
         return list(RECIPES)
@@ -137,8 +143,7 @@ def reproduce(names: list[str], scale: str, out: str | Path, force: bool = False
     """Run recipes into ``out``, training up to ``jobs`` independent models of a recipe at a time and
     measuring the trained models on ``device``. Under torchrun every process runs the recipes (training is
     data-parallel across them); only rank 0 measures, logs and writes results.json and report.md."""
-    if scale not in SCALES:
-        raise ConfigError(f"--scale must be one of {', '.join(SCALES)}, got '{scale}'")
+    check_scale(scale)
     names = resolve(names)
     out = Path(out)
     if not _is_main():

@@ -1,0 +1,124 @@
+"""What a reproduction will train, before it trains: ``poslab reproduce NAME|all --scale S --plan``.
+
+A paper-scale reproduction is days of GPU time, so a user should see its cost first: each training a recipe
+needs, its model, the tokens it reads and the compute that takes, and how far it already got in --out.
+Nothing is downloaded, prepared, trained or written.
+
+Compute is counted, not modelled: ``torch.utils.flop_counter`` records the matmul FLOPs (attention included)
+of one forward and backward of a sequence of the data's length, run on the meta device, and that is scaled
+by the sequences the training reads. Optimizer updates and elementwise work are not counted; models whose
+head scores only the masked tokens (``sparse_prediction``) are counted with it on every token.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from poslab.errors import CheckpointError
+from poslab.experiments.common import finished
+from poslab.experiments.runner import RECIPES
+from poslab.models import build_model
+from poslab.train import RunConfig
+from poslab.train.checkpoint import load_trainer_state, resolve
+
+
+@dataclass(frozen=True)
+class Training:
+    recipes: tuple[str, ...]  # the recipes that read it (extrapolation and frequencies share their models)
+    directory: str  # relative to the reproduction's --out
+    model: str  # "decoder, pope, 8 x 512"
+    parameters: int
+    sequence: int  # tokens per sequence: a corpus's seq_len, a task's longest problem (batches pad to it)
+    tokens: int  # sequences x sequence over all steps
+    flops: float
+    status: str  # "done", "step k of n" or "not started"
+
+
+def plan(names: list[str], scale: str, out: str | Path) -> list[Training]:
+    """Every training of the recipes ``names`` at ``scale``, once each, in the order they run."""
+    out = Path(out)
+    found: dict[Path, tuple[list[str], dict[str, Any]]] = {}
+    for name in names:
+        module = importlib.import_module(RECIPES[name][0].split(":")[0])
+        for config, run_dir in module.runs(scale, out / name).values():
+            found.setdefault(run_dir, ([], config))[0].append(name)
+    return [_training(tuple(recipes), config, run_dir, out) for run_dir, (recipes, config) in found.items()]
+
+
+def _training(recipes: tuple[str, ...], config: dict[str, Any], run_dir: Path, out: Path) -> Training:
+    vocab, sequence = data_shape(config["data"], config.get("seed", 0))
+    cfg = RunConfig.from_dict({**config, "model": {**config["model"], "vocab_size": vocab}})
+    parameters, step_flops = _count(json.dumps(cfg.model.to_dict(), sort_keys=True), sequence)
+    sequences = cfg.train.steps * cfg.train.batch_size
+    model = cfg.model.to_dict()
+    shape = f"{model['n_layers']} x {model.get('d_model') or model['d_ap'] + model['d_sem']}"
+    scheme = model.get("positional", {}).get("name")
+    return Training(recipes=recipes, directory=str(run_dir.relative_to(out)),
+                    model=", ".join(x for x in (model["arch"], scheme, shape) if x),
+                    parameters=parameters, sequence=sequence, tokens=sequences * sequence,
+                    flops=step_flops * sequences, status=_status(cfg, run_dir))
+
+
+def data_shape(data: dict[str, Any], seed: int) -> tuple[int, int]:
+    """(vocabulary size, tokens per sequence) without preparing anything. A task's come from its source, which
+    draws no problem until asked; a corpus's from its config, whose tokenizer size is a cap the trained
+    tokenizer reaches on a paper-scale corpus."""
+    options = {k: v for k, v in data.items() if k != "kind"}
+    if data.get("kind", "task") == "task":
+        from poslab.tasks import build_batch_source
+
+        source = build_batch_source(seed=seed, **options)
+        return source.vocab_size, source.max_seq_len
+    from poslab.data import DataConfig
+
+    text = DataConfig.from_options(options)
+    return text.tokenizer.vocab_size, text.seq_len
+
+
+@functools.lru_cache(maxsize=None)
+def _count(model_json: str, sequence: int) -> tuple[int, float]:
+    """(parameters, matmul FLOPs of a forward and backward of one sequence); cached: seeds share a shape."""
+    with torch.device("meta"):
+        model = build_model(json.loads(model_json))
+        ids = torch.zeros(1, sequence, dtype=torch.long)
+        with FlopCounterMode(display=False) as counter:
+            model(input_ids=ids).logits.float().sum().backward()
+    return model.num_parameters(), float(counter.get_total_flops())
+
+
+def _status(cfg: RunConfig, run_dir: Path) -> str:
+    if finished(cfg, run_dir) is not None:
+        return "done"
+    with contextlib.suppress(CheckpointError):
+        step = load_trainer_state(resolve(run_dir / "checkpoints" / "last", log=lambda _: None))["step"]
+        return f"step {step:,} of {cfg.train.steps:,}"
+    return "not started"
+
+
+def render(trainings: list[Training], scale: str) -> str:
+    """The plan as Markdown: a row per training, then the totals per recipe."""
+    lines = [f"# poslab reproduce --scale {scale}: {len(trainings)} trainings", "",
+             "| recipe | run | model | parameters | tokens / sequence | tokens | training FLOPs | status |",
+             "|---|---|---|---|---|---|---|---|"]
+    for t in trainings:
+        lines.append(f"| {', '.join(t.recipes)} | {t.directory} | {t.model} | {t.parameters / 1e6:.1f}M | "
+                     f"{t.sequence:,} | {t.tokens:.3g} | {t.flops:.3g} | {t.status} |")
+    lines += ["", "| recipe | trainings | training FLOPs | still to train |", "|---|---|---|---|"]
+    groups: dict[str, list[Training]] = {}
+    for t in trainings:  # a shared training counts once, with the first recipe that reads it
+        groups.setdefault(t.recipes[0], []).append(t)
+    for recipe, group in [*groups.items(), ("total", trainings)]:
+        left = sum(t.flops for t in group if t.status != "done")
+        lines.append(f"| {recipe} | {len(group)} | {sum(t.flops for t in group):.3g} | {left:.3g} |")
+    lines += ["", "FLOPs: the matmul FLOPs of one forward and backward (torch.utils.flop_counter on the meta device, "
+                  "attention in full even where causal) times the sequences read; evaluation and analyses are not "
+                  "counted."]
+    return "\n".join(lines)

@@ -1,0 +1,83 @@
+"""``poslab reproduce --plan``: what the recipes would train, counted without training or writing anything."""
+import json
+from pathlib import Path
+
+import pytest
+
+from poslab.cli import main
+from poslab.experiments import plan as planning
+from poslab.models import build_model
+
+
+@pytest.mark.parametrize("scheme, attention", [("nope", 12), ("rope", 12), ("alibi", 12), ("t5", 12),
+                                               # PoPE's q.k is 2d wide, and SDPA pads v to 2d to match
+                                               ("pope", 24)])
+def test_flops_are_the_standard_count(scheme, attention):
+    """Counted on the meta device, training FLOPs per sequence of n tokens are 6 n M + c L n^2 d, M the
+    matmul weights (every 2-D weight but the input embedding, a lookup): Kaplan et al.'s 6N plus attention's
+    scores and weighted sum, forward and backward (c = 12 for d-wide q.k, 24 for PoPE on SDPA)."""
+    layers, width, n = 2, 64, 24
+    config = {"arch": "decoder", "vocab_size": 100, "d_model": width, "n_layers": layers, "n_heads": 4,
+              "max_seq_len": 64, "mlp": "swiglu", "positional": {"name": scheme}}
+    model = build_model(config)
+    matmul = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and name != "model.embed.weight"
+                 and "positional" not in name)
+    parameters, flops = planning._count(json.dumps(config, sort_keys=True), n)
+    assert parameters == model.num_parameters()
+    assert flops == 6 * n * matmul + attention * layers * n * n * width
+
+
+def test_plan_lists_each_training_once_with_its_progress(tmp_path):
+    """Runs two recipes share are listed once; a finished run is done, an interrupted one shows its step."""
+    from poslab.experiments import extrapolation, indirect_indexing
+    from poslab.experiments.common import ensure_run
+    from poslab.train import RunConfig, train
+
+    runs = indirect_indexing.runs("smoke", tmp_path / "indirect-indexing")
+    (done_config, done_dir), (part_config, part_dir) = runs["pope", 0], runs["rope", 0]
+    ensure_run(done_config, done_dir, lambda _: None)
+    train(RunConfig.from_dict({**part_config, "train": {**part_config["train"], "steps": 2}}), part_dir)
+
+    trainings = planning.plan(["indirect-indexing", "extrapolation", "frequencies"], "smoke", tmp_path)
+    by_dir = {t.directory: t for t in trainings}
+    assert len(by_dir) == len(trainings) == len(runs) + len(extrapolation.SCHEMES)
+    assert by_dir["indirect-indexing/runs/pope-s0"].status == "done"
+    assert by_dir["indirect-indexing/runs/rope-s0"].status == "step 2 of 3"
+    assert by_dir["extrapolation/runs/pope"].recipes == ("extrapolation", "frequencies")
+    assert by_dir["extrapolation/runs/pope"].status == "not started"
+    pope = by_dir["indirect-indexing/runs/pope-s0"]
+    assert pope.model == "decoder, pope, 1 x 32" and pope.tokens == 3 * 8 * pope.sequence
+    text = planning.render(trainings, "smoke")
+    assert "| indirect-indexing | indirect-indexing/runs/rope-s0 | decoder, rope, 1 x 32 |" in text
+    total = sum(t.flops for t in trainings)
+    left = total - by_dir["indirect-indexing/runs/pope-s0"].flops
+    assert f"| total | {len(trainings)} | {total:.3g} | {left:.3g} |" in text
+
+
+def test_paper_plan_from_the_command_line_writes_nothing(tmp_path, capsys):
+    """The paper scale is listed without downloading or preparing a corpus, and --out is not created. The
+    sizes are the papers': the adjacency paper's 10.6M model, GPT-2's 124M, the issue's ~5e16 FLOPs of one
+    indirect-indexing run."""
+    out = tmp_path / "paper"
+    assert main(["reproduce", "all", "--scale", "paper", "--plan", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert not out.exists()
+    rows = {cells[1]: cells for cells in ([c.strip() for c in line.strip("|").split(" | ")] for line in text.splitlines()
+                                          if line.startswith("| ") and "/runs/" in line)}
+    assert rows["adjacency/runs/nope-addition-s0"][3] == "10.6M"
+    assert rows["extrapolation/runs/pope"][0] == "extrapolation, frequencies"
+    assert rows["extrapolation/runs/pope"][3] == "123.6M"
+    assert 4e16 < float(rows["indirect-indexing/runs/rope-s0"][6]) < 6e16
+    assert all(cells[-1] == "not started" for cells in rows.values())
+    # The README quotes this plan's totals.
+    total = next(line for line in text.splitlines() if line.startswith("| total |")).split(" | ")
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert f"counts {total[1]} trainings and {total[2].replace('+', '')} FLOPs" in readme
+
+
+def test_plan_refuses_an_unknown_scale_or_recipe(tmp_path, capsys):
+    assert main(["reproduce", "all", "--scale", "huge", "--plan", "--out", str(tmp_path / "x")]) == 2
+    assert "--scale must be one of" in capsys.readouterr().err
+    assert main(["reproduce", "dstgg", "--plan", "--out", str(tmp_path / "x")]) == 2
+    assert "did you mean 'dstg'" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
