@@ -164,6 +164,8 @@ def test_rope_scaling_is_the_identity_at_factor_one_and_changes_longer_inputs(ru
     with pytest.raises(ConfigError, match="rope models"):
         with_rope_scaling(Run.load(runs / "learned").config, run.model, "yarn", 2.0, 24)
     assert evaluate_lengths(run.config, run.model, [5], sequences=8, batch_size=8)[0]["factor"] == 1.0
+    # Task problems are drawn at each length, so every length gets the same number.
+    assert [r["sequences"] for r in evaluate_lengths(run.config, run.model, [5, 10], sequences=8, batch_size=8)] == [8, 8]
 
 
 def test_dstg_run_streams_table_and_terms(tmp_path):
@@ -327,6 +329,9 @@ def test_extrapolation_on_another_corpus_uses_the_runs_tokenizer(lm_run):
     other = evaluate_lengths(run.config, run.model, [16, 32], sequences=4, batch_size=2, eval_data=books(lm_run))
     mine = evaluate_lengths(run.config, run.model, [16, 32], sequences=4, batch_size=2)
     assert [r["factor"] for r in other] == [1.0, 2.0]
+    # One text at every length: twice the windows at half the length (each window's first token is <bos>).
+    assert [r["sequences"] for r in other + mine] == [8, 4, 8, 4]
+    assert all(abs(short["tokens"] - long["tokens"]) <= 8 for short, long in (other, mine))
     assert all(math.isfinite(r["loss"]) and r["tokens"] > 0 for r in other + mine)
     assert all(abs(a["loss"] - b["loss"]) > 1e-3 for a, b in zip(other, mine))
     # Cached: a second evaluation reads the same prepared corpus, unless its tokenizer is no longer the run's

@@ -27,7 +27,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--run", required=True, metavar="DIR", type=path_argument,
                    help="run directory written by `poslab train`")
     p.add_argument("--checkpoint", choices=("best", "last"), default=None, help="default: best if present, else last")
-    p.add_argument("--sequences", type=int, default=defaults.sequences, help="evaluation sequences to analyse")
+    p.add_argument("--sequences", type=int, default=defaults.sequences,
+                   help="evaluation sequences to analyse (extrapolation: at the longest length; text reads the same "
+                        "tokens at every length, in more, shorter windows)")
     p.add_argument("--batch-size", type=int, default=defaults.batch_size)
     p.add_argument("--split", default=None, help="evaluation split (default: the run's train.eval_split)")
     p.add_argument("--device", default=defaults.device,

@@ -51,18 +51,23 @@ from poslab.train.evaluation import evaluate
 
 @dataclasses.dataclass(frozen=True)
 class LengthOption:
-    """How a data kind states its length: the training length read from the options, and the options
-    that evaluate at length L."""
+    """How a data kind states its length: the training length read from the options, the options that
+    evaluate at length L, and whether its sequences are windows cut in order from one token stream.
+
+    Windows are, for text: a curve then reads the same tokens at every length (``evaluate_lengths``), so a
+    loss ratio between lengths measures length, not which text was read (256 windows at each length read
+    ~3 books of PG-19 at 1x and ~25 at 10x). Task problems are drawn at each length anyway."""
 
     base: Callable[[dict], int]
     at: Callable[[int], dict]
+    windows: bool
 
 
 LENGTHS: dict[str, LengthOption] = {
-    "lm": LengthOption(lambda o: int(o.get("seq_len", 128)), lambda n: {"seq_len": n}),
-    "mlm": LengthOption(lambda o: int(o.get("seq_len", 128)), lambda n: {"seq_len": n}),
+    "lm": LengthOption(lambda o: int(o.get("seq_len", 128)), lambda n: {"seq_len": n}, windows=True),
+    "mlm": LengthOption(lambda o: int(o.get("seq_len", 128)), lambda n: {"seq_len": n}, windows=True),
     "task": LengthOption(lambda o: int(o.get("train_max_len") or o.get("max_len", 1)),
-                         lambda n: {"min_len": n, "max_len": n, "train_max_len": None}),
+                         lambda n: {"min_len": n, "max_len": n, "train_max_len": None}, windows=False),
 }
 # name -> (rope.scaling, whether factor = L / training length is passed). Dynamic NTK stretches its base by
 # the length it sees (alpha = L / original_max_len) and keeps factor 1, as Hugging Face's default does.
@@ -208,18 +213,25 @@ def with_rope_scaling(config: RunConfig, model: torch.nn.Module, scaling: str, f
 
 def evaluate_lengths(config: RunConfig, model: torch.nn.Module, lengths: list[int], sequences: int = 64,
                      batch_size: int = 16, seed: int | None = None,
-                     eval_data: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """One record per length: {"length", "factor", "loss", "token_accuracy", ...} or {"length", "error"}
-    when the data or the model cannot go that far (e.g. past a learned position table). ``eval_data``:
-    evaluate on another corpus (``evaluation_config``); a bad one raises rather than filling the records."""
+                     eval_data: dict[str, Any] | None = None, longest: int | None = None) -> list[dict[str, Any]]:
+    """One record per length: {"length", "factor", "sequences", "loss", "token_accuracy", ...} or {"length",
+    "error"} when the data or the model cannot go that far (e.g. past a learned position table).
+
+    ``sequences`` are read at the ``longest`` length (default: the longest of ``lengths``); text reads the
+    same tokens at every length, so sequences x longest / L windows at length L (rounded up to a batch, so
+    the same text to within a batch of windows). ``eval_data``: evaluate on another corpus
+    (``evaluation_config``); a bad one raises rather than filling the records."""
     base = training_length(config)
     evaluated = evaluation_config(config, eval_data)
+    windows = _length_option(config).windows
+    longest = longest or max(lengths)
     device = next(model.parameters()).device
     out = []
     for length in lengths:
-        record: dict[str, Any] = {"length": length, "factor": length / base}
+        count = math.ceil(sequences * longest / length) if windows else sequences
+        record: dict[str, Any] = {"length": length, "factor": length / base, "sequences": count}
         try:
-            cfg = config_at_length(evaluated, length, sequences, batch_size)
+            cfg = config_at_length(evaluated, length, count, batch_size)
             source = cfg.data.build(config.seed if seed is None else seed)
             record.update(evaluate(model, source, cfg, device, contextlib.nullcontext()))
         except PoslabError as err:
@@ -237,5 +249,5 @@ def rope_scaled_lengths(config: RunConfig, model: torch.nn.Module, lengths: list
     out = []
     for length in lengths:
         scaled = with_rope_scaling(config, model, scaling, length / base, tokens)
-        out.extend(evaluate_lengths(evaluated, scaled, [length], sequences, batch_size))
+        out.extend(evaluate_lengths(evaluated, scaled, [length], sequences, batch_size, longest=max(lengths)))
     return out
