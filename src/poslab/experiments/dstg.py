@@ -69,11 +69,16 @@ SCALES = {
               "data_overrides": {"seq_len": 64, "packing": False}, "model_overrides": {"max_seq_len": 64},
               "train": {"steps": 3, "batch_size": 8, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 1},
               "spectra_seeds": [0, 1], "sequences": 24},
+    # The paper's 22B tokens: 84,000 steps of 512 x 512. Its AP tables stop at the 512 positions the data
+    # reaches (NeoBERT's 1,024 would leave half of each table untrained, in the figures' PCA and DCT).
+    # 512 sequences (262k tokens) for the probes: a ridge fit on 768 features needs no more, and DSTG's
+    # captures of 2,048 took ~45 GB of host memory.
     "paper": {"models": "paper", "data": "mlm_paper.yaml", "documents": None, "tokenizer_documents": None,
-              "data_overrides": {}, "model_overrides": {},
-              "train": {"steps": 100000, "batch_size": 512, "lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 2000,
-                        "betas": [0.9, 0.95], "weight_decay": 0.01, "grad_clip": 1.0},
-              "spectra_seeds": [0], "sequences": 2048},
+              "data_overrides": {}, "model_overrides": {"max_seq_len": 512},
+              "train": {"steps": 84000, "batch_size": 512, "grad_accum": 4, "lr": 1e-4, "min_lr": 1e-5,
+                        "warmup_steps": 2000, "betas": [0.9, 0.95], "weight_decay": 0.01, "grad_clip": 1.0,
+                        "checkpoint_every": 1000},
+              "spectra_seeds": [0], "sequences": 512},
 }
 
 

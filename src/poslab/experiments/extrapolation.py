@@ -38,8 +38,10 @@ SCALES = {
     # 124M as GPT-2 counts it: input and output embeddings tied (untied, this shape has 162M parameters).
     "paper": {"data": "lm_paper.yaml", "documents": None, "tokenizer_documents": None, "seq_len": 1024,
               "model": {"d_model": 768, "n_layers": 12, "n_heads": 12, "tie_embeddings": True},
-              "train": {"steps": 100000, "batch_size": 512, "lr": 6e-4, "min_lr": 6e-5, "warmup_steps": 2000,
-                        "betas": [0.9, 0.95]},
+              # 512 x 1024 tokens a step, in 8 micro-batches: the fp32 logits of the whole batch alone would
+              # take 98 GiB; 8 GPUs under torchrun each take 8 sequences per micro-batch.
+              "train": {"steps": 100000, "batch_size": 512, "grad_accum": 8, "lr": 6e-4, "min_lr": 6e-5,
+                        "warmup_steps": 2000, "betas": [0.9, 0.95], "checkpoint_every": 1000},
               "factors": (1, 2, 4, 6, 8, 10), "sequences": 256, "eval_data": "pg19_eval.yaml"},
 }
 

@@ -42,7 +42,7 @@ SCALES = {
     "paper": {"task": {"min_len": 20, "max_len": 40, "min_shift": -15, "max_shift": 15, "train_size": 1_000_000},
               "model": {"d_model": 512, "n_layers": 8, "n_heads": 8},
               "train": {"steps": 100000, "batch_size": 64, "lr": 2e-4, "min_lr": 2e-5, "warmup_steps": 4000,
-                        "betas": [0.9, 0.99], "weight_decay": 0.01, "grad_clip": 1.0},
+                        "betas": [0.9, 0.99], "weight_decay": 0.01, "grad_clip": 1.0, "checkpoint_every": 5000},
               "seeds": [0, 1, 2], "other_seeds": [0, 1, 2], "others": OTHERS, "margin": 0.5, "eval_size": 10000},
 }
 
@@ -100,7 +100,7 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
                # hides whether a gap comes from every seed or from one.
                "columns": ["scheme", "ours (mean)", "ours (std)", "per seed", "paper (%)"],
                "rows": [[s, mean[s], std[s], accuracy[s], paper[s]] for s in accuracy]}]
-    notes = [f"Quick-scale task: alphabet {alphabet}, string lengths {scale['task'].get('min_len')}-"
+    notes = [f"{scale_name.capitalize()}-scale task: alphabet {alphabet}, string lengths {scale['task'].get('min_len')}-"
              f"{scale['task'].get('max_len')}, shifts {scale['task'].get('min_shift')}..{scale['task'].get('max_shift')}; "
              f"model {scale['model']}; {scale['train']['steps']} steps of batch {scale['train']['batch_size']}.",
              *claims.tried_notes(result_claims, scale.get("tried", {}))]
