@@ -56,6 +56,11 @@ SCALES = {
 }
 INIT_STDS = (0.002, 0.02, 0.2)
 INIT_MEANS = (0.0, 4.0, 8.0)
+# The paper's model sizes (layers, width), measured at initialisation at every scale but smoke: untrained
+# models cost one forward each. Heads are 64 wide, as nanoGPT's.
+SIZES = {"smoke": ((1, 64), (2, 128)),
+         "quick": tuple((layers, width) for layers in (6, 12, 24) for width in (192, 384, 768))}
+SIZES["paper"] = SIZES["quick"]
 
 
 def run_config(scale: dict, task: str, scheme: str, seed: int) -> dict:
@@ -70,10 +75,23 @@ def run_config(scale: dict, task: str, scheme: str, seed: int) -> dict:
     }
 
 
-def first_layer_scores(model: torch.nn.Module, batches: list[dict]) -> dict[str, float]:
-    caps, batch = collect(model, batches, ["embed", FIRST_LAYER, "blocks.0.resid_post"])
+def first_layer_scores(model: torch.nn.Module, batches: list[dict], names: tuple[str, ...] = ()) -> dict[str, float]:
+    """Mean adjacency score of the embeddings, the first layer's outputs and the streams ``names``."""
+    caps, batch = collect(model, batches, ["embed", FIRST_LAYER, "blocks.0.resid_post", *names])
     mask = batch["attention_mask"].bool()
     return {name: float(sequence_adjacency(caps[name], mask).nanmean()) for name in caps}
+
+
+def size_scores(base: dict, sizes: tuple[tuple[int, int], ...], batches: list[dict]) -> dict[tuple[int, int], dict]:
+    """(layers, width) -> scores at initialisation of the first and the last attention layer's output."""
+    scores = {}
+    for layers, width in sizes:
+        torch.manual_seed(0)
+        model = build_model({**base, "n_layers": layers, "d_model": width, "n_heads": width // 64}).eval()
+        last = f"blocks.{layers - 1}.attn_out"
+        found = first_layer_scores(model, batches, (last,))
+        scores[layers, width] = {"first": found[FIRST_LAYER], "last": found[last]}
+    return scores
 
 
 def runs(scale_name: str, out: Path) -> dict:
@@ -126,6 +144,7 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
             torch.manual_seed(0)
             model = build_model({**base.model.to_dict(), "init_std": std, "init_mean": mean}).eval()
             ablation[(std, mean)] = first_layer_scores(model, batches)[FIRST_LAYER]
+    sizes = size_scores(base.model.to_dict(), SIZES[scale_name], batches)
     torch.manual_seed(0)
     encoder = build_model({**base.model.to_dict(), "arch": "encoder"}).eval()
     bidirectional = first_layer_scores(encoder, batches)[FIRST_LAYER]
@@ -148,6 +167,9 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
                         min(ablation[(0.002, 0.0)], ablation[(0.02, 0.0)]), 0.8),
         claims.all_of("a large init mean matters less: std 0.02 with mean 0, 4, 8 keeps >= 0.8", "matters less",
                       {f"mean {m:g}": ablation[(0.02, m)] for m in INIT_MEANS}, 0.8),
+        claims.all_of("at initialisation the pattern is stable across model sizes: first attention layer's output "
+                      f">= 0.8 at every size (layers x width: {', '.join(f'{l} x {w}' for l, w in sizes)})",
+                      "stable across sizes", {f"{l} x {w}": s["first"] for (l, w), s in sizes.items()}, 0.8),
         claims.within("bidirectional NoPE control has no adjacency pattern (first attention layer's output)", "~0.5",
                       bidirectional, 0.4, 0.6),
         claims.lowest("cosine-similarity features predict position better than variance features "
@@ -162,6 +184,10 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
         {"title": "Initialisation ablation: score after layer 1 at init (rows std, columns mean)",
          "columns": ["std \\ mean", *[f"{m:g}" for m in INIT_MEANS]],
          "rows": [[s, *[ablation[(s, m)] for m in INIT_MEANS]] for s in INIT_STDS]},
+        {"title": f"Model sizes at initialisation ({TASKS[0]} sequences): score of the first and the last attention "
+                  "layer's output",
+         "columns": ["layers", "width", "first layer", "last layer"],
+         "rows": [[l, w, s["first"], s["last"]] for (l, w), s in sizes.items()]},
         {"title": f"MLP probe of absolute position ({scale['probe_task']}, trained NoPE)",
          "columns": ["features", "NRMSE", "Pearson R"],
          "rows": [[k, v["nrmse"], v["pearson_r"]] for k, v in mlp.items()]},
@@ -174,5 +200,6 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
     return RecipeResult("adjacency", scale_name, result_claims, figures=figures, tables=tables, notes=notes,
                         details={"trained_first_layer": trained_scores, "init_first_layer": init_scores,
                                  "embed": embed_scores, "accuracy": accuracy, "bidirectional": bidirectional,
-                                 "ablation": {f"std={s},mean={m}": v for (s, m), v in ablation.items()}})
+                                 "ablation": {f"std={s},mean={m}": v for (s, m), v in ablation.items()},
+                                 "sizes": {f"{l}x{w}": s for (l, w), s in sizes.items()}})
 
