@@ -284,6 +284,35 @@ def test_a_run_resumes_with_sparse_prediction_switched(tmp_path):
         train(RunConfig.from_dict(changed), tmp_path / "run", resume=True)
 
 
+def test_init_from_fine_tunes_under_another_rope_scaling(tmp_path):
+    """A fine-tune starts from another run's weights with a fresh optimizer, schedule and step count, under a
+    model config that differs only where the weights do not (YaRN scaling, a longer context). A model whose
+    weights do not fit, or a path that holds no checkpoint, is refused before the run directory exists."""
+    train(RunConfig.from_dict(tiny_config(steps=3)), tmp_path / "base")
+    tuned = tiny_config(steps=2, init_from=str(tmp_path / "base"))
+    tuned["model"]["max_seq_len"] = 64
+    tuned["model"]["positional"] = {"name": "rope",
+                                    "options": {"scaling": "yarn", "factor": 2.0, "original_max_len": 32}}
+    before = {k: v.clone() for k, v in load_file(tmp_path / "base" / "checkpoints" / "last" / "model.safetensors").items()}
+    final = train(RunConfig.from_dict(tuned), tmp_path / "tuned")
+    assert final["step"] == 2 and len(losses(tmp_path / "tuned")) == 2
+    # Step 1 moved the weights away from the base run's, by one warm-up update: a fresh optimizer's step.
+    _, model = load_run(tmp_path / "tuned", "last")
+    assert model.config.spec.positional.options["scaling"] == "yarn"
+    moved = [float((model.state_dict()[k] - v).abs().max()) for k, v in before.items()]
+    assert 0 < max(moved) < 1
+    first = json.loads((tmp_path / "tuned" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 1
+
+    wider = tiny_config(steps=2, init_from=str(tmp_path / "base"))
+    wider["model"]["d_model"] = 64
+    with pytest.raises(CheckpointError, match="does not fit this model"):
+        train(RunConfig.from_dict(wider), tmp_path / "wider")
+    with pytest.raises(CheckpointError, match="train.init_from: .*nowhere does not exist"):
+        train(RunConfig.from_dict(tiny_config(steps=2, init_from=str(tmp_path / "nowhere"))), tmp_path / "none")
+    assert not (tmp_path / "wider").exists() and not (tmp_path / "none").exists()
+
+
 def _poison_third_forward(monkeypatch):
     """Make the model's third training forward return a NaN loss (a diverging step 3); the trainer's
     pre-flight forward runs in eval mode."""

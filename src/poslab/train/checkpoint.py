@@ -228,14 +228,15 @@ def load_states(path: Path) -> tuple[dict[str, Any], dict[str, Any], list[dict[s
     return tuple(out)
 
 
-def load_weights(model: nn.Module, path: Path) -> None:
+def load_weights(model: nn.Module, path: Path, same_config: bool = True) -> None:
     """Load ``save_pretrained`` safetensors weights (one file or shards) into ``model``, in place, after
-    checking that they were saved from a model of the same type and configuration.
+    checking that they were saved from a model of the same type and configuration (``same_config``; else
+    only of the same type, with every weight's name and shape: fine-tuning under another RoPE scaling).
 
     ``save_pretrained`` stores a tied matrix once, under one of its names, so a name missing from the
     file is fine when another name of the same parameter was loaded.
     """
-    check_model(model, path)
+    check_model(model, path, same_config)
     files = sorted(Path(path).glob("model*.safetensors"))
     if not files:
         raise CheckpointError(f"no model*.safetensors in {path}")
@@ -267,8 +268,9 @@ def weights_spec(spec: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in spec.items() if key not in FORWARD_ONLY}
 
 
-def check_model(model: nn.Module, path: Path) -> None:
-    """Raise CheckpointError naming the first difference unless ``path/config.json`` describes ``model``."""
+def check_model(model: nn.Module, path: Path, same_config: bool = True) -> None:
+    """Raise CheckpointError naming the first difference unless ``path/config.json`` describes ``model``
+    (with ``same_config`` false: a model of the same type)."""
     file = Path(path) / "config.json"
     try:
         saved = json.loads(file.read_text())
@@ -279,6 +281,8 @@ def check_model(model: nn.Module, path: Path) -> None:
         kind = saved.get("model_type") if isinstance(saved, dict) else None
         raise CheckpointError(f"{path} does not fit this model: it holds a '{kind}' model, this config builds "
                               f"a '{ours.model_type}' model")
+    if not same_config:
+        return
     try:
         spec = type(ours).from_dict(saved).spec.to_dict()
     except (PoslabError, TypeError, ValueError) as err:

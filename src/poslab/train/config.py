@@ -51,6 +51,9 @@ class TrainConfig:
     token_accuracy, exact_match for tasks) and ``best_mode`` whether lower or higher is better; it and
     ``eval_split`` are checked against the data and model when training starts, before the first step.
     ``precision`` auto is bf16 autocast on CUDA and fp32 on CPU; ``device`` auto prefers CUDA.
+    ``init_from`` fine-tunes: a checkpoint directory, or a run directory (its checkpoints/last), whose weights
+    the model starts from; the optimizer, the schedule and the step count start afresh. Its model may differ
+    in what leaves the weights' names and shapes alone (a RoPE scaling, max_seq_len without a position table).
     """
 
     steps: int = 1000
@@ -76,6 +79,7 @@ class TrainConfig:
     compile: bool = False
     fsdp: bool = False
     device: str = "auto"
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         check_fields(self, "train.")
@@ -102,6 +106,8 @@ class TrainConfig:
         require(self.eval_batches is None or self.eval_batches >= 1,
                 f"train.eval_batches must be >= 1 or null (the whole split), got {self.eval_batches}")
         require(self.best_mode in ("min", "max"), f"train.best_mode must be min or max, got '{self.best_mode}'")
+        require(self.init_from is None or self.init_from.strip() != "",
+                "train.init_from must name a checkpoint or run directory, or be null")
         for name, valid in (("schedule", SCHEDULES), ("precision", PRECISIONS), ("device", DEVICES)):
             require(getattr(self, name) in valid,
                     f"train.{name} must be one of {', '.join(valid)}, got '{getattr(self, name)}'")

@@ -153,6 +153,10 @@ class Trainer:
                     f"cannot resume: train.steps ({cfg.steps}) is below the step {last} was saved at "
                     f"({state['step']}); set train.steps to {state['step']} or more")
             ckpt.load_weights(model, last)
+        elif cfg.init_from is not None:
+            start = _init_point(Path(cfg.init_from))
+            ckpt.load_weights(model, start, same_config=False)
+            self.notes.append(f"model weights from {start} (train.init_from)")
         _seed_everything(config.seed + parallel.rank)  # independent dropout masks per rank
         model.to(self.device)
         precision = {"auto": "bf16" if self.device.type == "cuda" else "fp32"}.get(cfg.precision, cfg.precision)
@@ -421,6 +425,16 @@ def model_sizes(model_config: Any) -> tuple[int, int, int]:
                       sum(b.numel() * b.element_size() for b in model.buffers())))
     one, two = sizes
     return tuple(a + (model_config.n_layers - 1) * (b - a) for a, b in zip(one, two))
+
+
+def _init_point(path: Path) -> Path:
+    """The checkpoint ``train.init_from`` names: itself, or a run directory's last checkpoint."""
+    if (path / CONFIG_FILE).is_file():
+        path = path / CHECKPOINTS / "last"
+    if not path.exists():
+        raise CheckpointError(f"train.init_from: {path} does not exist; name a checkpoint directory or a run "
+                              "directory written by `poslab train`")
+    return ckpt.resolve(path)
 
 
 def _check_out_dir(out: Path, config: RunConfig, resume: bool, overwrite: bool) -> None:
