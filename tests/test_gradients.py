@@ -175,6 +175,8 @@ ROPE_OPTIONS = {
     "linear": {"scaling": "linear", "factor": 2.0},
     "dynamic": {"scaling": "dynamic", "factor": 2.0, "original_max_len": 4},  # positions reach 7 > 4: stretched
     "yarn": {"scaling": "yarn", "factor": 4.0, "original_max_len": 8},  # attention factor != 1
+    "half": {"fraction": 0.5},  # channels 4..7 pass through: identity rows of the Jacobian
+    "half-yarn": {"fraction": 0.5, "scaling": "yarn", "factor": 4.0, "original_max_len": 8},
 }
 
 
@@ -191,18 +193,22 @@ def test_rope_transform_qk_gradients(scaling):
     check(fn, (q, k), eps=1e-2, atol=1e-4, rtol=1e-3)
 
     inv_freq, scaling_factor = rope.frequencies(q_pos, k_pos)
-    if scaling == "yarn":
+    if "yarn" in scaling:
         assert scaling_factor > 1
+    r = rope.rotary_dim
+    assert r == (d // 2 if "half" in scaling else d)
     for x, pos, index in ((q, q_pos, 0), (k, k_pos, 1)):
-        angle = pos[0].double()[:, None] * torch.cat([inv_freq, inv_freq]).double()  # (n, d)
-        cos, sin = angle.cos() * scaling_factor, angle.sin() * scaling_factor
-        # Half-split pairs (i, i + d/2): out_i = x_i cos - x_(i+d/2) sin, out_(i+d/2) = x_(i+d/2) cos + x_i sin.
-        half = torch.arange(d // 2)
-        rotation = torch.diag_embed(cos)  # (n, d_out, d_in)
-        rotation[:, half, half + d // 2] = -sin[:, half]
-        rotation[:, half + d // 2, half] = sin[:, half + d // 2]
-        jacobian = torch.autograd.functional.jacobian(lambda x: fn(*((x, k) if index == 0 else (q, x)))[index], x)
         n = x.shape[2]
+        angle = pos[0].double()[:, None] * torch.cat([inv_freq, inv_freq]).double()  # (n, r)
+        cos, sin = angle.cos() * scaling_factor, angle.sin() * scaling_factor
+        # Half-split pairs (i, i + r/2): out_i = x_i cos - x_(i+r/2) sin, out_(i+r/2) = x_(i+r/2) cos + x_i sin;
+        # channels r.. are copied.
+        half = torch.arange(r // 2)
+        rotation = torch.eye(d, dtype=F64).repeat(n, 1, 1)  # (n, d_out, d_in)
+        rotation[:, :r, :r] = torch.diag_embed(cos)
+        rotation[:, half, half + r // 2] = -sin[:, half]
+        rotation[:, half + r // 2, half] = sin[:, half + r // 2]
+        jacobian = torch.autograd.functional.jacobian(lambda x: fn(*((x, k) if index == 0 else (q, x)))[index], x)
         for h in range(2):
             for t in range(n):
                 torch.testing.assert_close(jacobian[0, h, t, :, 0, h, t, :], rotation[t], rtol=0, atol=2e-6)

@@ -181,7 +181,7 @@ def test_sequence_longer_than_learned_table_names_the_limit():
 
 @pytest.mark.parametrize("cfg,message", [
     ({"d_model": 30, "n_heads": 4}, "n_heads \\(4\\) must divide d_model \\(30\\)"),
-    ({"d_model": 36, "n_heads": 4, "positional": {"name": "rope"}}, "rope needs an even head dim"),
+    ({"d_model": 36, "n_heads": 4, "positional": {"name": "rope"}}, "rope needs an even number >= 2 of rotating"),
     ({"n_layers": -1}, "n_layers must be a positive integer"),
     ({"vocab_size": 0}, "vocab_size must be a positive integer"),
     ({"arch": "encoder-decoder"}, "unknown arch .encoder-decoder."),

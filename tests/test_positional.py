@@ -141,12 +141,11 @@ def test_bad_options_rejected(name, options, message):
         PositionalConfig(name, options)
 
 
-@pytest.mark.parametrize("name", ["nope", "alibi"])
-def test_a_scheme_without_options_says_so(name):
+def test_a_scheme_without_options_says_so():
     """Not "unknown option ... (valid: )"."""
-    with pytest.raises(ConfigError, match=f"^positional scheme '{name}' takes no options; remove base, scale$"):
-        PositionalConfig(name, {"base": 1, "scale": 2})
-    PositionalConfig(name, {})
+    with pytest.raises(ConfigError, match="^positional scheme 'nope' takes no options; remove base, scale$"):
+        PositionalConfig("nope", {"base": 1, "scale": 2})
+    PositionalConfig("nope", {})
 
 
 def test_demo_refuses_bad_steps_and_seed(capsys):

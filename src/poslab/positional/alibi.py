@@ -3,6 +3,10 @@
 Slopes follow the reference recipe for any head count: the geometric sequence 2^(-8i/n) for the
 largest power of two n <= heads, then every other slope of the sequence for 2n, until all heads
 have one. Causal models only see k <= q, so the penalty equals slope * (k - q) there.
+
+``heads`` < 1 biases only a share of the heads, as the PoPE paper's half-head ALiBi baseline does: the
+first round(heads * n_heads) heads take the slopes for that many heads, the rest take slope 0 and attend
+with no positional bias (NoPE heads).
 """
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import math
 
 import torch
 
+from poslab.errors import require
 from poslab.positional.base import AttentionGeometry, LayerPositional, Scheme
 from poslab.positional.options import options_dataclass
 
@@ -17,6 +22,19 @@ from poslab.positional.options import options_dataclass
 @options_dataclass
 class ALiBiOptions:
     scheme = "alibi"
+    #: The share of heads with a bias (the first round(heads * n_heads)); the others have none.
+    heads: float = 1.0
+
+    def __post_init__(self) -> None:
+        require(0 < self.heads <= 1,
+                f"alibi.heads must lie in (0, 1] (the share of heads with a bias), got {self.heads}")
+
+    def biased_heads(self, n_heads: int) -> int:
+        """How many of n_heads heads get a slope: round(heads * n_heads), checked to be at least one."""
+        biased = round(self.heads * n_heads)
+        require(biased >= 1, f"alibi.heads {self.heads} of {n_heads} heads biases {biased} heads; it must bias at "
+                             f"least one: raise alibi.heads or n_heads")
+        return biased
 
 
 def alibi_slopes(n_heads: int) -> torch.Tensor:
@@ -33,15 +51,21 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
+def partial_alibi_slopes(n_heads: int, biased: int) -> torch.Tensor:
+    """(n_heads,): the slopes for ``biased`` heads, then zeros for the n_heads - biased unbiased heads."""
+    return torch.cat((alibi_slopes(biased), torch.zeros(n_heads - biased)))
+
+
 class ALiBiBias(LayerPositional):
-    def __init__(self, n_heads: int) -> None:
+    def __init__(self, n_heads: int, biased: int) -> None:
         super().__init__()
-        self.register_buffer("slopes", alibi_slopes(n_heads), persistent=False)
+        self.biased = biased
+        self.register_buffer("slopes", partial_alibi_slopes(n_heads, biased), persistent=False)
 
     def init_weights(self, mean: float, std: float) -> None:
         # Buffers are not saved; a model built on the meta device (from_pretrained) recomputes them here.
         with torch.no_grad():
-            self.slopes.copy_(alibi_slopes(self.slopes.shape[0]))
+            self.slopes.copy_(partial_alibi_slopes(self.slopes.shape[0], self.biased))
 
     def logit_bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         distance = (k_pos[:, None, :] - q_pos[:, :, None]).abs().float()  # (batch, n, m)
@@ -55,4 +79,5 @@ class ALiBi(Scheme):
 
     @classmethod
     def build(cls, options: ALiBiOptions, geometry: AttentionGeometry):
-        return None, [ALiBiBias(geometry.n_heads)] * geometry.n_layers
+        biased = options.biased_heads(geometry.n_heads)
+        return None, [ALiBiBias(geometry.n_heads, biased)] * geometry.n_layers

@@ -4,6 +4,10 @@ Layout: half-split pairs (i, i + d/2), theta_i = base^(-2i/d) -- the layout of t
 transformers Llama implementation, with which the frequencies, the scalings and YaRN's attention
 factor are numerically identical (tests/test_positional.py checks it).
 
+Partial rotation (``fraction`` < 1) is Hugging Face's ``partial_rotary_factor`` (GPT-NeoX's ``rotary_pct``,
+Phi): the first rotary_dim = int(head_dim * fraction) channels of each head rotate, with every frequency
+and scaling computed as for a head of width rotary_dim; the other channels pass through unchanged.
+
 Dynamic NTK is stateless here: the base is stretched for the current length L = max position + 1 when
 L exceeds ``original_max_len``; Hugging Face instead keeps the largest length seen so far. Both agree
 on any single call with a fresh model. With a KV cache, as in Hugging Face, each key keeps the rotation
@@ -36,6 +40,8 @@ class RoPEOptions:
     #: YaRN's multiplier on cos/sin (so logits scale by its square); None = 0.1 ln(factor) + 1.
     attention_factor: float | None = None
     truncate: bool = True
+    #: The share of each head's channels that rotate (the first int(head_dim * fraction)); the rest carry no position.
+    fraction: float = 1.0
 
     def __post_init__(self) -> None:
         require(self.scaling in SCALINGS, f"rope.scaling must be one of {', '.join(SCALINGS)}, got '{self.scaling}'")
@@ -48,6 +54,19 @@ class RoPEOptions:
         require(self.attention_factor is None or self.attention_factor > 0,
                 f"rope.attention_factor must be > 0 (it multiplies cos and sin) or null for 0.1 ln(factor) + 1, "
                 f"got {self.attention_factor}")
+        require(0 < self.fraction <= 1, f"rope.fraction must lie in (0, 1] (the share of channels that rotate), "
+                                        f"got {self.fraction}")
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """How many leading channels of a head_dim-wide head rotate: int(head_dim * fraction), as Hugging Face
+        rounds it, checked to be even and at least one pair (two for dynamic scaling, whose base stretch
+        divides by rotary_dim - 2)."""
+        dim = int(head_dim * self.fraction)
+        least = 4 if self.scaling == "dynamic" else 2
+        require(dim % 2 == 0 and dim >= least,
+                f"rope needs an even number >= {least} of rotating channels per head, got {dim} (head dim "
+                f"{head_dim} x rope.fraction {self.fraction}); change d_model, n_heads or rope.fraction")
+        return dim
 
 
 def yarn_mscale(factor: float) -> float:
@@ -103,40 +122,48 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, scaling: float
 
 
 class RotaryLayer(LayerPositional):
-    """Rotates q and k by their positions; parameter-free, so one instance serves every layer."""
+    """Rotates the first rotary_dim channels of q and k by their positions; parameter-free, so one instance
+    serves every layer."""
 
     def __init__(self, opts: RoPEOptions, head_dim: int, original_max_len: int) -> None:
         super().__init__()
-        self.opts, self.head_dim, self.original_max_len = opts, head_dim, original_max_len
-        inv_freq, self.attention_scaling = rope_inv_freq(opts, head_dim, original_max_len)
+        self.opts, self.original_max_len = opts, original_max_len
+        self.rotary_dim = opts.rotary_dim(head_dim)
+        inv_freq, self.attention_scaling = rope_inv_freq(opts, self.rotary_dim, original_max_len)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def init_weights(self, mean: float, std: float) -> None:
         # Buffers are not saved; a model built on the meta device (from_pretrained) recomputes them here.
         with torch.no_grad():
-            self.inv_freq.copy_(rope_inv_freq(self.opts, self.head_dim, self.original_max_len)[0])
+            self.inv_freq.copy_(rope_inv_freq(self.opts, self.rotary_dim, self.original_max_len)[0])
 
     def frequencies(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> tuple[torch.Tensor, float]:
         if self.opts.scaling != "dynamic":
             return self.inv_freq, self.attention_scaling
         length = int(max(q_pos.max(), k_pos.max())) + 1
-        inv_freq, scaling = rope_inv_freq(self.opts, self.head_dim, self.original_max_len, length)
+        inv_freq, scaling = rope_inv_freq(self.opts, self.rotary_dim, self.original_max_len, length)
         return inv_freq.to(self.inv_freq.device), scaling
 
     def transform_qk(self, q, k, q_pos, k_pos):
         inv_freq, scaling = self.frequencies(q_pos, k_pos)
         cos_q, sin_q = rope_cos_sin(inv_freq, q_pos, scaling)
         cos_k, sin_k = (cos_q, sin_q) if k_pos is q_pos else rope_cos_sin(inv_freq, k_pos, scaling)
+        return self.rotate(q, cos_q, sin_q), self.rotate(k, cos_k, sin_k)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x (batch, heads, n, head_dim), cos and sin (batch, 1, n, rotary_dim) -> (batch, heads, n, head_dim)."""
         # At least fp32 (half-precision rotations drift at large positions); fp64 stays fp64.
-        wide = torch.promote_types(q.dtype, torch.float32)
-        q_rot = (q.to(wide) * cos_q + rotate_half(q.to(wide)) * sin_q).to(q.dtype)
-        k_rot = (k.to(wide) * cos_k + rotate_half(k.to(wide)) * sin_k).to(k.dtype)
-        return q_rot, k_rot
+        wide, turned = torch.promote_types(x.dtype, torch.float32), x[..., : self.rotary_dim]
+        rotated = (turned.to(wide) * cos + rotate_half(turned.to(wide)) * sin).to(x.dtype)
+        if self.rotary_dim == x.shape[-1]:  # full rotation: nothing to pass through, so no copy
+            return rotated
+        return torch.cat((rotated, x[..., self.rotary_dim:]), dim=-1)
 
     def qk_frequency_norms(self, q, k):
-        """2-norm of each rotated 2-D chunk (i, i + d/2): (..., d/2) for q and k."""
+        """2-norm of each rotated 2-D chunk (i, i + rotary_dim/2): (..., rotary_dim/2) for q and k; the
+        channels that do not rotate have no frequency."""
         def chunk_norms(x: torch.Tensor) -> torch.Tensor:
-            a, b = x.float().chunk(2, dim=-1)
+            a, b = x[..., : self.rotary_dim].float().chunk(2, dim=-1)
             return torch.sqrt(a * a + b * b)
         return chunk_norms(q), chunk_norms(k)
 
@@ -148,7 +175,5 @@ class RoPE(Scheme):
 
     @classmethod
     def build(cls, options: RoPEOptions, geometry: AttentionGeometry):
-        require(geometry.head_dim % 2 == 0,
-                f"rope needs an even head dim, got {geometry.head_dim}; change d_model or n_heads")
         layer = RotaryLayer(options, geometry.head_dim, options.original_max_len or geometry.max_seq_len)
         return None, [layer] * geometry.n_layers
