@@ -40,11 +40,12 @@ def test_plan_lists_each_training_once_with_its_progress(tmp_path):
 
     trainings = planning.plan(["indirect-indexing", "extrapolation", "frequencies"], "smoke", tmp_path)
     by_dir = {t.directory: t for t in trainings}
-    assert len(by_dir) == len(trainings) == len(runs) + len(extrapolation.SCHEMES)
+    assert len(by_dir) == len(trainings) == len(runs) + len(extrapolation.runs("smoke", tmp_path))
     assert by_dir["indirect-indexing/runs/pope-s0"].status == "done"
     assert by_dir["indirect-indexing/runs/rope-s0"].status == "step 2 of 3"
     assert by_dir["extrapolation/runs/pope"].recipes == ("extrapolation", "frequencies")
     assert by_dir["extrapolation/runs/pope"].status == "not started"
+    assert by_dir["extrapolation/runs/rope-yarn"].recipes == ("extrapolation",)
     pope = by_dir["indirect-indexing/runs/pope-s0"]
     assert pope.model == "decoder, pope, 1 x 32" and pope.tokens == 3 * 8 * pope.sequence
     text = planning.render(trainings, "smoke")

@@ -1,8 +1,10 @@
 """Length extrapolation (papers/pope.md): decoders trained at length L, evaluated zero-shot up to 10L.
 
-PoPE and RoPE language models are trained on the same text at sequence length L; RoPE is also
-evaluated with YaRN (and linear / dynamic-NTK) scaling applied at evaluation time. The paper's claim:
-PoPE stays flat where RoPE degrades. The PoPE and RoPE runs are reused by the frequencies recipe.
+PoPE and RoPE language models are trained on the same text at sequence length L. As in the paper, the
+RoPE model is then fine-tuned with YaRN at a longer length (4L: the paper's 500 steps at 4096 after 1024)
+and evaluated with it; RoPE is also evaluated with YaRN (and linear / dynamic-NTK) scaling applied at
+evaluation time only, for context. The paper's claims: PoPE stays flat where RoPE degrades, and YaRN
+degrades past the length it was fine-tuned at. The PoPE and RoPE runs are reused by the frequencies recipe.
 
 Where the evaluation reads: the quick and smoke scales evaluate on their own (synthetic) data at the longer
 lengths; the paper scale, like the paper, on the PG-19 test books (``eval_data``: configs/data/pg19_eval.yaml,
@@ -17,6 +19,7 @@ from typing import Callable
 import yaml
 
 from poslab.analysis.commands import Options, extrapolation as extrapolation_analysis
+from poslab.analysis.extrapolation import evaluate_lengths
 from poslab.analysis.runs import Run
 from poslab.experiments import claims
 from poslab.experiments.common import ensure_runs, rel
@@ -24,15 +27,18 @@ from poslab.experiments.runner import RecipeResult
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "configs" / "data"
 SCHEMES = ("pope", "rope")
+FINETUNED = "rope-yarn"  # the RoPE run fine-tuned with YaRN at finetune["factor"] x its length
 
 SCALES = {
     "quick": {"data": "lm_quick.yaml", "documents": 3000, "tokenizer_documents": 1000, "seq_len": 64,
               "model": {"d_model": 128, "n_layers": 2, "n_heads": 4},
               "train": {"steps": 400, "batch_size": 32, "lr": 2e-3, "min_lr": 2e-4, "warmup_steps": 40},
+              "finetune": {"factor": 4, "steps": 50, "batch_size": 8, "lr": 2e-4, "warmup_steps": 5},
               "factors": (1, 2, 4, 8, 10), "sequences": 32, "eval_data": None},
     "smoke": {"data": "lm_quick.yaml", "documents": 60, "tokenizer_documents": 30, "seq_len": 16,
               "model": {"d_model": 32, "n_layers": 1, "n_heads": 2},
               "train": {"steps": 3, "batch_size": 8, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 1},
+              "finetune": {"factor": 2, "steps": 2, "batch_size": 4, "lr": 1e-4, "warmup_steps": 1},
               "factors": (1, 2), "sequences": 8, "eval_data": None},
     # The paper trains 124M-774M models at 1024 tokens on OpenWebText and evaluates on PG-19 up to 10240.
     # 124M as GPT-2 counts it: input and output embeddings tied (untied, this shape has 162M parameters).
@@ -42,6 +48,9 @@ SCALES = {
               # take 98 GiB; 8 GPUs under torchrun each take 8 sequences per micro-batch.
               "train": {"steps": 100000, "batch_size": 512, "grad_accum": 8, "lr": 6e-4, "min_lr": 6e-5,
                         "warmup_steps": 2000, "betas": [0.9, 0.95], "checkpoint_every": 1000},
+              # The paper's YaRN: 500 steps at 4096; as many tokens a step as training (128 x 4096).
+              "finetune": {"factor": 4, "steps": 500, "batch_size": 128, "grad_accum": 16, "lr": 6e-5,
+                           "warmup_steps": 20},
               "factors": (1, 2, 4, 6, 8, 10), "sequences": 256, "eval_data": "pg19_eval.yaml"},
 }
 
@@ -63,19 +72,37 @@ def run_config(scale: dict, scheme: str, out: Path) -> dict:
     }
 
 
+def finetune_config(scale: dict, out: Path) -> dict:
+    """The RoPE run's config at finetune["factor"] x its length, under YaRN at that factor, starting from the
+    RoPE run's weights with a fresh optimizer at a constant learning rate (as YaRN's fine-tune)."""
+    base, tune = run_config(scale, "rope", out), scale["finetune"]
+    length = scale["seq_len"] * tune["factor"]
+    yarn = {"scaling": "yarn", "factor": float(tune["factor"]), "original_max_len": scale["seq_len"]}
+    return {**base,
+            "model": {**base["model"], "max_seq_len": length, "positional": {"name": "rope", "options": yarn}},
+            "data": {**base["data"], "seq_len": length},
+            "train": {**base["train"], **{k: v for k, v in tune.items() if k != "factor"}, "schedule": "constant",
+                      "init_from": str(out / "runs" / "rope")}}
+
+
 def eval_data(scale: dict) -> dict | None:
     """The data the scale evaluates on instead of the runs' own (``Options.eval_data``), or None."""
     return yaml.safe_load((DATA_DIR / scale["eval_data"]).read_text()) if scale.get("eval_data") else None
 
 
 def runs(scale_name: str, out: Path) -> dict:
-    """The trainings: scheme -> (run config, run directory)."""
-    return {scheme: (run_config(SCALES[scale_name], scheme, out), out / "runs" / scheme) for scheme in SCHEMES}
+    """The trainings: name -> (run config, run directory); the fine-tune last, as it starts from RoPE's."""
+    scale = SCALES[scale_name]
+    trainings = {scheme: (run_config(scale, scheme, out), out / "runs" / scheme) for scheme in SCHEMES}
+    trainings[FINETUNED] = (finetune_config(scale, out), out / "runs" / FINETUNED)
+    return trainings
 
 
 def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, device: str = "cpu") -> RecipeResult:
     scale = SCALES[scale_name]
-    ensure_runs(runs(scale_name, out), log, jobs)
+    trainings = runs(scale_name, out)
+    ensure_runs({name: trainings[name] for name in SCHEMES}, log, jobs)
+    ensure_runs({FINETUNED: trainings[FINETUNED]}, log, jobs)  # once the RoPE run it starts from is done
     pope = Run.load(out / "runs" / "pope", device=device)
     evaluated = eval_data(scale)
     data = extrapolation_analysis(pope, Options(sequences=scale["sequences"], batch_size=8,
@@ -83,8 +110,15 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
                                                 scalings=("yarn", "ntk", "linear"), device=device,
                                                 eval_data=evaluated))
     curves = {name: r["curves"] for name, r in data["runs"].items()}  # run names are their directories
-    series = {"pope": curves["pope"]["none"], "rope": curves["rope"]["none"], "rope+yarn": curves["rope"]["yarn"],
-              "rope+ntk": curves["rope"]["ntk"], "rope+linear": curves["rope"]["linear"]}
+    tuned = Run.load(out / "runs" / FINETUNED, device=device)
+    lengths = [rec["length"] for rec in curves["pope"]["none"]]
+    tuned_curve = [{**rec, "factor": rec["length"] / scale["seq_len"]}  # factors of the base training length
+                   for rec in evaluate_lengths(tuned.config, tuned.model, lengths, scale["sequences"], 8,
+                                               eval_data=evaluated)]
+    tuned_name = f"rope+yarn fine-tuned at {scale['finetune']['factor']}x"
+    series = {"pope": curves["pope"]["none"], "rope": curves["rope"]["none"], tuned_name: tuned_curve,
+              "rope+yarn": curves["rope"]["yarn"], "rope+ntk": curves["rope"]["ntk"],
+              "rope+linear": curves["rope"]["linear"]}
 
     def loss_at(name: str, factor: float) -> float:
         rec = next(r for r in series[name] if r["factor"] == factor)
@@ -97,10 +131,11 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
                        growth["pope"], 1.1),
         claims.exceeds(f"RoPE degrades more than PoPE (loss ratio {top}x / 1x)", "RoPE degrades",
                        {"rope": growth["rope"], "pope": growth["pope"]}, larger="rope", smaller="pope"),
-        claims.exceeds(f"PoPE beats RoPE + YaRN (evaluation-time, no fine-tuning) at {top}x (loss)",
-                       "YaRN degrades past its length", {"rope+yarn": loss_at("rope+yarn", top),
+        claims.exceeds(f"PoPE beats RoPE + YaRN (fine-tuned at {scale['finetune']['factor']}x the training length "
+                       f"for {scale['finetune']['steps']} steps) at {top}x (loss)",
+                       "YaRN degrades past its length", {tuned_name: loss_at(tuned_name, top),
                                                         "pope": loss_at("pope", top)},
-                       larger="rope+yarn", smaller="pope"),
+                       larger=tuned_name, smaller="pope"),
     ]
     source = (evaluated or {}).get("source") or {}
     corpus = f", evaluated on {source.get('name') or source['type']} {source.get('split', '')}" if source else ""

@@ -40,8 +40,10 @@ def spread(profile: list[float]) -> float:
 
 
 def runs(scale_name: str, out: Path) -> dict:
-    """The extrapolation recipe's trainings (the models are shared: trained once, by whichever runs first)."""
-    return extrapolation.runs(scale_name, out.parent / "extrapolation")
+    """The extrapolation recipe's PoPE and RoPE trainings (shared: trained once, by whichever recipe runs first;
+    not its fine-tune, which this recipe does not read)."""
+    trainings = extrapolation.runs(scale_name, out.parent / "extrapolation")
+    return {scheme: trainings[scheme] for scheme in extrapolation.SCHEMES}
 
 
 def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, device: str = "cpu") -> RecipeResult:
