@@ -213,9 +213,10 @@ def test_every_recipe_runs_end_to_end_at_smoke_scale(tmp_path):
             assert (tmp_path / figure).is_file(), figure
     assert (tmp_path / "report.md").read_text().startswith("# poslab reproduction (smoke scale)")
     # The quick scale's notes on failed claims name their claims by opening words, which no scale changes.
-    from poslab.experiments import adjacency, dstg, frequencies, indirect_indexing
+    from poslab.experiments import adjacency, dstg, extrapolation, frequencies, indirect_indexing
     quick_tried = {"adjacency": adjacency.SCALES["quick"]["tried"], "dstg": dstg.SCALES["quick"]["tried"],
                    "indirect-indexing": indirect_indexing.SCALES["quick"]["tried"],
+                   "extrapolation": extrapolation.SCALES["quick"]["tried"],
                    "frequencies": frequencies.TRIED["quick"]}
     for name, tried in quick_tried.items():
         claims.tried_notes([claims.Claim(**c) for c in data["recipes"][name]["claims"]], tried)  # raises if unmatched
