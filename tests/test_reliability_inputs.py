@@ -613,3 +613,22 @@ def test_an_extreme_holdout_is_refused_quickly(tmp_path, holdout, reliability):
     assert code == 2 and "holdout must lie in" in error, err
     reliability.record("task limits", f"a task with holdout {holdout}", 1,
                        f"refused in {seconds:.2f} s: {error.removeprefix('poslab: error: ')}")
+
+
+def test_ctrl_c_while_poslab_imports_is_one_line():
+    """The installed command, interrupted half a second in (torch and transformers take seconds to import):
+    one line and exit 130, not a KeyboardInterrupt traceback."""
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    command = shutil.which("poslab", path=str(Path(sys.executable).parent))
+    assert command, "the poslab command is not installed next to this Python"
+    process = subprocess.Popen([command, "tasks", "list"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    assert "Traceback" not in err and out == "", err
+    assert process.returncode == 130 and err == "poslab: interrupted\n", (process.returncode, err)
