@@ -441,10 +441,10 @@ def test_task_options_at_their_limits(tmp_path, reliability):
 def test_inputs_that_once_escaped_exit_2_in_one_line(tmp_path, name, reliability):
     cases = FORMER_ESCAPES[name]
     errors = []
-    for i, (given, message) in enumerate(cases):
+    for i, (case, message) in enumerate(cases):
         config, out = tmp_path / f"run{i}.yaml", tmp_path / f"run{i}"
-        config.write_bytes(given if isinstance(given, bytes) else yaml.safe_dump(BASE).encode())
-        sets = [] if isinstance(given, bytes) else [arg for item in given for arg in ("--set", item)]
+        config.write_bytes(case if isinstance(case, bytes) else yaml.safe_dump(BASE).encode())
+        sets = [] if isinstance(case, bytes) else [arg for item in case for arg in ("--set", item)]
         code, _, err = invoke(["train", str(config), "--out", str(out), *sets])
         errors.append(check_exit(code, err).removeprefix("poslab: error: ").replace(str(tmp_path), "TMP"))
         assert code == 2 and message in errors[-1], err
