@@ -45,7 +45,8 @@ SCALES = {
               "model": {"d_model": 32, "n_layers": 1, "n_heads": 2},
               "train": {"steps": 3, "batch_size": 8, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 1},
               "finetune": {"factor": 2, "steps": 2, "batch_size": 4, "lr": 1e-4, "warmup_steps": 1},
-              "factors": (1, 2, 4), "sequences": 8, "eval_data": None},
+              "factors": (1, 2, 4), "sequences": 8, "eval_data": None,
+              "size": "32", "sizes": {"48": {"model": {"d_model": 48}, "grad_accum": 2}}},
     # The paper trains 124M-774M models at 1024 tokens on OpenWebText and evaluates on PG-19 up to 10240.
     # 124M as GPT-2 counts it: input and output embeddings tied (untied, this shape has 162M parameters).
     "paper": {"data": "lm_paper.yaml", "documents": None, "tokenizer_documents": None, "seq_len": 1024,
@@ -57,7 +58,12 @@ SCALES = {
               # The paper's YaRN: 500 steps at 4096; as many tokens a step as training (128 x 4096).
               "finetune": {"factor": 4, "steps": 500, "batch_size": 128, "grad_accum": 16, "lr": 6e-5,
                            "warmup_steps": 20},
-              "factors": (1, 2, 4, 6, 8, 10), "sequences": 256, "eval_data": "pg19_eval.yaml"},
+              "factors": (1, 2, 4, 6, 8, 10), "sequences": 256, "eval_data": "pg19_eval.yaml",
+              # The paper's larger models, GPT-2-shaped so that their tied counts come to its 253M and 774M;
+              # the same global batch in smaller micro-batches. The base model above is the 124M.
+              "size": "124M",
+              "sizes": {"253M": {"model": {"d_model": 1024, "n_layers": 16, "n_heads": 16}, "grad_accum": 16},
+                        "774M": {"model": {"d_model": 1280, "n_layers": 36, "n_heads": 20}, "grad_accum": 32}}},
 }
 
 
@@ -96,18 +102,44 @@ def eval_data(scale: dict) -> dict | None:
     return yaml.safe_load((DATA_DIR / scale["eval_data"]).read_text()) if scale.get("eval_data") else None
 
 
+def sized(scale: dict, size: str) -> dict:
+    """The scale with the model of one of its further ``sizes``."""
+    spec = scale["sizes"][size]
+    return {**scale, "model": {**scale["model"], **spec["model"]},
+            "train": {**scale["train"], "grad_accum": spec["grad_accum"]}}
+
+
 def runs(scale_name: str, out: Path) -> dict:
-    """The trainings: name -> (run config, run directory); the fine-tune last, as it starts from RoPE's."""
+    """The trainings: name -> (run config, run directory); PoPE and RoPE at the base size ("pope", "rope") and
+    at each further size ("pope-253M"), then the fine-tune, last, as it starts from RoPE's weights."""
     scale = SCALES[scale_name]
     trainings = {scheme: (run_config(scale, scheme, out), out / "runs" / scheme) for scheme in SCHEMES}
+    for size in scale.get("sizes", {}):
+        trainings.update({f"{scheme}-{size}": (run_config(sized(scale, size), scheme, out),
+                                               out / "runs" / f"{scheme}-{size}") for scheme in SCHEMES})
     trainings[FINETUNED] = (finetune_config(scale, out), out / "runs" / FINETUNED)
     return trainings
+
+
+def size_growth(scale: dict, out: Path, device: str, evaluated: dict | None) -> dict[str, dict[str, float]]:
+    """size -> {"pope", "rope"} -> loss at the largest factor / loss at 1x, for each further size."""
+    top = max(scale["factors"])
+    growth = {}
+    for size in scale.get("sizes", {}):
+        pope = Run.load(out / "runs" / f"pope-{size}", device=device)
+        data = extrapolation_analysis(pope, Options(sequences=scale["sequences"], batch_size=8,
+                                                    factors=(1, top), compare=(str(out / "runs" / f"rope-{size}"),),
+                                                    scalings=(), device=device, eval_data=evaluated))
+        losses = {name.split("-")[0]: [rec.get("loss", math.nan) for rec in run["curves"]["none"]]
+                  for name, run in data["runs"].items()}
+        growth[size] = {scheme: loss[1] / loss[0] for scheme, loss in losses.items()}
+    return growth
 
 
 def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, device: str = "cpu") -> RecipeResult:
     scale = SCALES[scale_name]
     trainings = runs(scale_name, out)
-    ensure_runs({name: trainings[name] for name in SCHEMES}, log, jobs)
+    ensure_runs({name: run for name, run in trainings.items() if name != FINETUNED}, log, jobs)
     ensure_runs({FINETUNED: trainings[FINETUNED]}, log, jobs)  # once the RoPE run it starts from is done
     pope = Run.load(out / "runs" / "pope", device=device)
     evaluated = eval_data(scale)
@@ -147,12 +179,28 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
                        {tuned_name: loss_at(tuned_name, top), "pope": loss_at("pope", top)},
                        larger=tuned_name, smaller="pope"),
     ]
+    tables = []
+    if scale.get("sizes"):
+        by_size = {scale["size"]: {"pope": growth["pope"], "rope": growth["rope"]},
+                   **size_growth(scale, out, device, evaluated)}
+        smallest, largest = list(by_size)[0], list(by_size)[-1]
+        result_claims += [
+            claims.all_of(f"PoPE stays flat at every model size: loss at {top}x / 1x", "stable at every size",
+                          {size: g["pope"] for size, g in by_size.items()}, 1.1, above=False),
+            claims.exceeds(f"RoPE degrades more at larger scale: loss at {top}x / 1x of the {largest} model above the "
+                           f"{smallest} model's", "worse at larger scale",
+                           {largest: by_size[largest]["rope"], smallest: by_size[smallest]["rope"]},
+                           larger=largest, smaller=smallest),
+        ]
+        tables.append({"title": f"Loss at {top}x / loss at 1x by model size",
+                       "columns": ["size", "pope", "rope"],
+                       "rows": [[size, g["pope"], g["rope"]] for size, g in by_size.items()]})
     source = (evaluated or {}).get("source") or {}
     corpus = f", evaluated on {source.get('name') or source['type']} {source.get('split', '')}" if source else ""
     corpus = corpus.rstrip()
-    tables = [{"title": f"Loss against evaluation length (training length {scale['seq_len']} tokens{corpus})",
-               "columns": ["model", *[f"{f}x" for f in scale["factors"]]],
-               "rows": [[name, *[loss_at(name, f) for f in scale["factors"]]] for name in series]}]
+    tables.insert(0, {"title": f"Loss against evaluation length (training length {scale['seq_len']} tokens{corpus})",
+                      "columns": ["model", *[f"{f}x" for f in scale["factors"]]],
+                      "rows": [[name, *[loss_at(name, f) for f in scale["factors"]]] for name in series]})
     figures = [rel(pope.out_dir / f, out) for f in data["figures"]]
     return RecipeResult("extrapolation", scale_name, result_claims, figures=figures, tables=tables,
                         notes=claims.tried_notes(result_claims, scale.get("tried", {})),
