@@ -286,31 +286,46 @@ def test_a_run_resumes_with_sparse_prediction_switched(tmp_path):
 
 def test_init_from_fine_tunes_under_another_rope_scaling(tmp_path):
     """A fine-tune starts from another run's weights with a fresh optimizer, schedule and step count, under a
-    model config that differs only where the weights do not (YaRN scaling, a longer context). A model whose
-    weights do not fit, or a path that holds no checkpoint, is refused before the run directory exists."""
+    model config that differs only in what a fine-tune may change (YaRN scaling, a longer context). A run that
+    has not finished, a model whose weights differ (another scheme, tied embeddings, another width) or a path
+    without a checkpoint is refused before the run directory exists."""
     train(RunConfig.from_dict(tiny_config(steps=3)), tmp_path / "base")
-    tuned = tiny_config(steps=2, init_from=str(tmp_path / "base"))
-    tuned["model"]["max_seq_len"] = 64
-    tuned["model"]["positional"] = {"name": "rope",
-                                    "options": {"scaling": "yarn", "factor": 2.0, "original_max_len": 32}}
-    before = {k: v.clone() for k, v in load_file(tmp_path / "base" / "checkpoints" / "last" / "model.safetensors").items()}
-    final = train(RunConfig.from_dict(tuned), tmp_path / "tuned")
-    assert final["step"] == 2 and len(losses(tmp_path / "tuned")) == 2
-    # Step 1 moved the weights away from the base run's, by one warm-up update: a fresh optimizer's step.
+    base = load_file(tmp_path / "base" / "checkpoints" / "last" / "model.safetensors")
+
+    def tuned(**changes) -> dict:
+        raw = tiny_config(steps=1, warmup_steps=0, lr=1e-12, min_lr=0.0, init_from=str(tmp_path / "base"))
+        raw["model"].update(max_seq_len=64, positional={
+            "name": "rope", "options": {"scaling": "yarn", "factor": 2.0, "original_max_len": 32}})
+        raw["model"].update(changes)
+        return raw
+
+    final = train(RunConfig.from_dict(tuned()), tmp_path / "tuned")
+    assert final["step"] == 1 and len(losses(tmp_path / "tuned")) == 1
+    # One step at lr 1e-12 leaves the base run's weights; a fresh initialisation is far from them.
     _, model = load_run(tmp_path / "tuned", "last")
     assert model.config.spec.positional.options["scaling"] == "yarn"
-    moved = [float((model.state_dict()[k] - v).abs().max()) for k, v in before.items()]
-    assert 0 < max(moved) < 1
-    first = json.loads((tmp_path / "tuned" / "metrics.jsonl").read_text().splitlines()[0])
-    assert first["step"] == 1
+    assert all(torch.allclose(model.state_dict()[k], v, atol=1e-6) for k, v in base.items())
+    fresh = build_model(RunConfig.from_dict(tuned()).model)
+    assert not all(torch.allclose(fresh.state_dict()[k], v, atol=1e-3) for k, v in base.items())
 
-    wider = tiny_config(steps=2, init_from=str(tmp_path / "base"))
-    wider["model"]["d_model"] = 64
-    with pytest.raises(CheckpointError, match="does not fit this model"):
-        train(RunConfig.from_dict(wider), tmp_path / "wider")
+    refusals = {"nope": ({"positional": {"name": "nope"}}, "model.positional.name"),
+                "tied": ({"tie_embeddings": True}, "model.tie_embeddings"),
+                "wider": ({"d_model": 64}, "model.d_model")}
+    for name, (changes, message) in refusals.items():
+        with pytest.raises(CheckpointError, match=f"does not fit this model: {message}"):
+            train(RunConfig.from_dict(tuned(**changes)), tmp_path / name)
     with pytest.raises(CheckpointError, match="train.init_from: .*nowhere does not exist"):
         train(RunConfig.from_dict(tiny_config(steps=2, init_from=str(tmp_path / "nowhere"))), tmp_path / "none")
-    assert not (tmp_path / "wider").exists() and not (tmp_path / "none").exists()
+    train(RunConfig.from_dict(tiny_config(steps=2)), tmp_path / "half")
+    raw = tuned()
+    raw["train"]["init_from"] = str(tmp_path / "half")
+    half = RunConfig.from_dict(raw)
+    half_config = yaml.safe_load((tmp_path / "half" / "config.yaml").read_text())
+    half_config["train"]["steps"] = 4  # as if the run were still training
+    (tmp_path / "half" / "config.yaml").write_text(yaml.safe_dump(half_config))
+    with pytest.raises(CheckpointError, match="stopped at step 2 of 4; finish it with --resume"):
+        train(half, tmp_path / "from-half")
+    assert not any((tmp_path / name).exists() for name in (*refusals, "none", "from-half"))
 
 
 def _poison_third_forward(monkeypatch):

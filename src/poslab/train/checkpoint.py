@@ -230,8 +230,8 @@ def load_states(path: Path) -> tuple[dict[str, Any], dict[str, Any], list[dict[s
 
 def load_weights(model: nn.Module, path: Path, same_config: bool = True) -> None:
     """Load ``save_pretrained`` safetensors weights (one file or shards) into ``model``, in place, after
-    checking that they were saved from a model of the same type and configuration (``same_config``; else
-    only of the same type, with every weight's name and shape: fine-tuning under another RoPE scaling).
+    checking that they were saved from a model of the same type and configuration (``same_config``; else the
+    same up to what a fine-tune may change, ``fine_tune_spec``: e.g. a RoPE scaling and a longer context).
 
     ``save_pretrained`` stores a tied matrix once, under one of its names, so a name missing from the
     file is fine when another name of the same parameter was loaded.
@@ -268,9 +268,23 @@ def weights_spec(spec: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in spec.items() if key not in FORWARD_ONLY}
 
 
+# What a fine-tune (train.init_from) may change besides those: how far positions go and the options of the
+# positional scheme (a RoPE scaling, its fraction), not the scheme itself. A position table or bias whose
+# size changes is still refused, by its weights' shapes.
+FINE_TUNABLE = ("max_seq_len", "attn_backend")
+
+
+def fine_tune_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """A model spec without what a fine-tune may change: what its starting checkpoint has to agree with."""
+    kept = {key: value for key, value in weights_spec(spec).items() if key not in FINE_TUNABLE}
+    if isinstance(kept.get("positional"), dict):
+        kept["positional"] = {"name": kept["positional"].get("name")}
+    return kept
+
+
 def check_model(model: nn.Module, path: Path, same_config: bool = True) -> None:
     """Raise CheckpointError naming the first difference unless ``path/config.json`` describes ``model``
-    (with ``same_config`` false: a model of the same type)."""
+    (with ``same_config`` false: up to what a fine-tune may change, ``fine_tune_spec``)."""
     file = Path(path) / "config.json"
     try:
         saved = json.loads(file.read_text())
@@ -281,13 +295,12 @@ def check_model(model: nn.Module, path: Path, same_config: bool = True) -> None:
         kind = saved.get("model_type") if isinstance(saved, dict) else None
         raise CheckpointError(f"{path} does not fit this model: it holds a '{kind}' model, this config builds "
                               f"a '{ours.model_type}' model")
-    if not same_config:
-        return
     try:
         spec = type(ours).from_dict(saved).spec.to_dict()
     except (PoslabError, TypeError, ValueError) as err:
         raise CheckpointError(f"{file} is not a valid '{ours.model_type}' config: {err}") from None
-    difference = first_difference(_plain(weights_spec(spec)), _plain(weights_spec(ours.spec.to_dict())), "model")
+    compared = weights_spec if same_config else fine_tune_spec
+    difference = first_difference(_plain(compared(spec)), _plain(compared(ours.spec.to_dict())), "model")
     if difference is not None:
         raise CheckpointError(f"{path} does not fit this model: {difference}")
 

@@ -156,7 +156,8 @@ class Trainer:
         elif cfg.init_from is not None:
             start = _init_point(Path(cfg.init_from))
             ckpt.load_weights(model, start, same_config=False)
-            self.notes.append(f"model weights from {start} (train.init_from)")
+            step = ckpt.load_trainer_state(start)["step"]
+            self.notes.append(f"model weights from {start}, saved at step {step} (train.init_from)")
         _seed_everything(config.seed + parallel.rank)  # independent dropout masks per rank
         model.to(self.device)
         precision = {"auto": "bf16" if self.device.type == "cuda" else "fp32"}.get(cfg.precision, cfg.precision)
@@ -428,13 +429,21 @@ def model_sizes(model_config: Any) -> tuple[int, int, int]:
 
 
 def _init_point(path: Path) -> Path:
-    """The checkpoint ``train.init_from`` names: itself, or a run directory's last checkpoint."""
-    if (path / CONFIG_FILE).is_file():
-        path = path / CHECKPOINTS / "last"
-    if not path.exists():
+    """The checkpoint ``train.init_from`` names: itself, or the last checkpoint of a run directory, which must
+    have finished (a run still training has a mid-run checkpoint that would be taken for its result)."""
+    run = path if (path / CONFIG_FILE).is_file() else None
+    if run is not None:
+        path = run / CHECKPOINTS / "last"
+    if not _exists(path):
         raise CheckpointError(f"train.init_from: {path} does not exist; name a checkpoint directory or a run "
                               "directory written by `poslab train`")
-    return ckpt.resolve(path)
+    path = ckpt.resolve(path)
+    if run is not None:
+        steps, step = load_config(run / CONFIG_FILE).train.steps, ckpt.load_trainer_state(path)["step"]
+        if step != steps:
+            raise CheckpointError(f"train.init_from: {run} stopped at step {step} of {steps}; finish it with "
+                                  f"--resume, or name its checkpoint directory ({path}) to start from that step")
+    return path
 
 
 def _check_out_dir(out: Path, config: RunConfig, resume: bool, overwrite: bool) -> None:
