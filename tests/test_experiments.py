@@ -341,3 +341,19 @@ def test_dstg_spectra_claims_train_every_seed_of_dstg_and_ap_neobert(tmp_path):
         config, out = trainings[name]
         first = trainings[name.split("-")[0]][0]
         assert config["model"] == first["model"] and config["data"] == first["data"] and out.name == name
+
+
+def test_a_finished_run_trained_with_other_settings_is_not_reused(tmp_path):
+    """A recipe whose settings changed since its run finished (a new poslab version) must not report the old
+    run's numbers under the new settings; paths and bookkeeping may differ (an --out moved elsewhere)."""
+    from poslab.experiments.common import ensure_run
+    from poslab.experiments.indirect_indexing import SCALES, run_config
+
+    config = run_config(SCALES["smoke"], "pope", 0)
+    first = ensure_run(config, tmp_path / "run", lambda _: None)
+    bookkeeping = {**config, "train": {**config["train"], "log_every": 7, "checkpoint_every": 1}}
+    assert ensure_run(bookkeeping, tmp_path / "run", lambda _: None) == first
+    changed = {**config, "model": {**config["model"], "init_std": 0.05}}
+    with pytest.raises(PoslabError, match=r"run was trained with other settings \(run.model.init_std \(0.02 there, "
+                                          r"0.05 now\)\).*delete it to train it again"):
+        ensure_run(changed, tmp_path / "run", lambda _: None)

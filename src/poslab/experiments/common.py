@@ -12,11 +12,13 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from poslab.train import RunConfig, train
-from poslab.train.checkpoint import load_trainer_state, resolve
-from poslab.errors import CheckpointError
+from poslab.train import RunConfig, load_config, train
+from poslab.train.checkpoint import first_difference, load_trainer_state, resolve, weights_spec
+from poslab.errors import CheckpointError, PoslabError
 
 FINAL = "final.json"
+# Settings a finished run may differ in and still be reused: paths (an --out moved elsewhere) and bookkeeping.
+REUSABLE = {"data": ("cache_dir",), "train": ("init_from", "log_every", "checkpoint_every", "device", "compile")}
 
 
 def rel(path: Path | str, recipe_dir: Path) -> str:
@@ -25,13 +27,29 @@ def rel(path: Path | str, recipe_dir: Path) -> str:
 
 
 def finished(cfg: RunConfig, out: Path) -> dict[str, Any] | None:
-    """The final metrics of a run in ``out`` that trained all of ``cfg``'s steps, else None."""
+    """The final metrics of a run in ``out`` that trained all of ``cfg``'s steps, else None. A run trained
+    under other settings is refused (PoslabError): reused, its numbers would be reported as this config's."""
     final = out / FINAL
     if final.exists():
         metrics = json.loads(final.read_text())
         if metrics.get("step") == cfg.train.steps:
+            difference = trained_otherwise(cfg, out)
+            if difference is not None:
+                raise PoslabError(f"{out} was trained with other settings ({difference}) than this version of the "
+                                  "recipe uses; delete it to train it again, or reproduce into another --out")
             return metrics
     return None
+
+
+def trained_otherwise(cfg: RunConfig, out: Path) -> str | None:
+    """The first setting where the run in ``out`` (its config.yaml) differs from ``cfg``, or None."""
+    def comparable(config: RunConfig) -> dict[str, Any]:
+        raw = config.to_dict()
+        raw["model"] = weights_spec(raw["model"])
+        for section, keys in REUSABLE.items():
+            raw[section] = {k: v for k, v in raw[section].items() if k not in keys}
+        return raw
+    return first_difference(comparable(load_config(out / "config.yaml")), comparable(cfg), "run")
 
 
 def ensure_run(config: dict[str, Any], out: Path, log: Callable[[str], None]) -> dict[str, Any]:

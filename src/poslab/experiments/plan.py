@@ -22,11 +22,11 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from poslab.errors import CheckpointError
-from poslab.experiments.common import finished
+from poslab.errors import CheckpointError, PoslabError
+from poslab.experiments.common import finished, trained_otherwise
 from poslab.experiments.runner import RECIPES
 from poslab.models import build_model
-from poslab.train import RunConfig
+from poslab.train import RunConfig, load_config
 from poslab.train.checkpoint import load_trainer_state, resolve
 
 
@@ -39,7 +39,8 @@ class Training:
     sequence: int  # tokens per sequence: a corpus's seq_len, a task's longest problem (batches pad to it)
     tokens: int  # sequences x sequence over all steps
     flops: float
-    status: str  # "done", "step k of n" or "not started"
+    status: str  # "done", "step k of n", "not started", or why it cannot be reused
+    left: float  # the FLOPs still to train: flops x the share of steps not trained (all of them to redo)
 
 
 def plan(names: list[str], scale: str, out: str | Path) -> list[Training]:
@@ -55,6 +56,8 @@ def plan(names: list[str], scale: str, out: str | Path) -> list[Training]:
 
 def _training(recipes: tuple[str, ...], config: dict[str, Any], run_dir: Path, out: Path) -> Training:
     vocab, sequence = data_shape(config["data"], config.get("seed", 0))
+    if (run_dir / "config.yaml").is_file():  # trained (or training): the vocabulary its tokenizer reached
+        vocab = load_config(run_dir / "config.yaml").model.vocab_size
     cfg = RunConfig.from_dict({**config, "model": {**config["model"], "vocab_size": vocab}})
     parameters, step_flops = _count(json.dumps(cfg.model.to_dict(), sort_keys=True), sequence)
     sequences = cfg.train.steps * cfg.train.batch_size
@@ -64,7 +67,7 @@ def _training(recipes: tuple[str, ...], config: dict[str, Any], run_dir: Path, o
     return Training(recipes=recipes, directory=str(run_dir.relative_to(out)),
                     model=", ".join(x for x in (model["arch"], scheme, shape) if x),
                     parameters=parameters, sequence=sequence, tokens=sequences * sequence,
-                    flops=step_flops * sequences, status=_status(cfg, run_dir))
+                    flops=step_flops * sequences, **_progress(cfg, run_dir, step_flops * sequences))
 
 
 def data_shape(data: dict[str, Any], seed: int) -> tuple[int, int]:
@@ -94,13 +97,18 @@ def _count(model_json: str, sequence: int) -> tuple[int, float]:
     return model.num_parameters(), float(counter.get_total_flops())
 
 
-def _status(cfg: RunConfig, run_dir: Path) -> str:
-    if finished(cfg, run_dir) is not None:
-        return "done"
+def _progress(cfg: RunConfig, run_dir: Path, flops: float) -> dict[str, Any]:
+    """The status and the FLOPs still to train of a run that would train ``flops`` from scratch."""
+    try:
+        if finished(cfg, run_dir) is not None:
+            return {"status": "done", "left": 0.0}
+    except PoslabError:
+        return {"status": f"trained with other settings ({trained_otherwise(cfg, run_dir)}): delete it or use "
+                          "another --out", "left": flops}
     with contextlib.suppress(CheckpointError):
         step = load_trainer_state(resolve(run_dir / "checkpoints" / "last", log=lambda _: None))["step"]
-        return f"step {step:,} of {cfg.train.steps:,}"
-    return "not started"
+        return {"status": f"step {step:,} of {cfg.train.steps:,}", "left": flops * (1 - step / cfg.train.steps)}
+    return {"status": "not started", "left": flops}
 
 
 def render(trainings: list[Training], scale: str) -> str:
@@ -116,7 +124,7 @@ def render(trainings: list[Training], scale: str) -> str:
     for t in trainings:  # a shared training counts once, with the first recipe that reads it
         groups.setdefault(t.recipes[0], []).append(t)
     for recipe, group in [*groups.items(), ("total", trainings)]:
-        left = sum(t.flops for t in group if t.status != "done")
+        left = sum(t.left for t in group)
         lines.append(f"| {recipe} | {len(group)} | {sum(t.flops for t in group):.3g} | {left:.3g} |")
     lines += ["", "FLOPs: the matmul FLOPs of one forward and backward (torch.utils.flop_counter on the meta device, "
                   "attention in full even where causal) times the sequences read; evaluation and analyses are not "
