@@ -332,6 +332,9 @@ def test_extrapolation_on_another_corpus_uses_the_runs_tokenizer(lm_run):
     # One text at every length: twice the windows at half the length (each window's first token is <bos>).
     assert [r["sequences"] for r in other + mine] == [8, 4, 8, 4]
     assert all(abs(short["tokens"] - long["tokens"]) <= 8 for short, long in (other, mine))
+    # Unpacked text is cut per document: no common text to keep, so as many sequences at every length.
+    unpacked = evaluate_lengths(run.config, run.model, [16, 32], sequences=4, batch_size=2, eval_data={"packing": False})
+    assert [r["sequences"] for r in unpacked] == [4, 4]
     assert all(math.isfinite(r["loss"]) and r["tokens"] > 0 for r in other + mine)
     assert all(abs(a["loss"] - b["loss"]) > 1e-3 for a, b in zip(other, mine))
     # Cached: a second evaluation reads the same prepared corpus, unless its tokenizer is no longer the run's

@@ -54,20 +54,23 @@ class LengthOption:
     """How a data kind states its length: the training length read from the options, the options that
     evaluate at length L, and whether its sequences are windows cut in order from one token stream.
 
-    Windows are, for text: a curve then reads the same tokens at every length (``evaluate_lengths``), so a
-    loss ratio between lengths measures length, not which text was read (256 windows at each length read
-    ~3 books of PG-19 at 1x and ~25 at 10x). Task problems are drawn at each length anyway."""
+    Packed text is: a curve then reads the same tokens at every length (``evaluate_lengths``), so a loss
+    ratio between lengths measures length, not which text was read (256 windows at each length read ~3 books
+    of PG-19 at 1x and ~25 at 10x). Unpacked text is cut per document, and task problems are drawn at each
+    length: every length reads the same number of sequences."""
 
     base: Callable[[dict], int]
     at: Callable[[int], dict]
-    windows: bool
+    windows: Callable[[dict], bool]
 
 
 LENGTHS: dict[str, LengthOption] = {
-    "lm": LengthOption(lambda o: int(o.get("seq_len", 128)), lambda n: {"seq_len": n}, windows=True),
-    "mlm": LengthOption(lambda o: int(o.get("seq_len", 128)), lambda n: {"seq_len": n}, windows=True),
+    "lm": LengthOption(lambda o: int(o.get("seq_len", 128)), lambda n: {"seq_len": n},
+                       windows=lambda o: bool(o.get("packing", True))),
+    "mlm": LengthOption(lambda o: int(o.get("seq_len", 128)), lambda n: {"seq_len": n},
+                        windows=lambda o: bool(o.get("packing", True))),
     "task": LengthOption(lambda o: int(o.get("train_max_len") or o.get("max_len", 1)),
-                         lambda n: {"min_len": n, "max_len": n, "train_max_len": None}, windows=False),
+                         lambda n: {"min_len": n, "max_len": n, "train_max_len": None}, windows=lambda o: False),
 }
 # name -> (rope.scaling, whether factor = L / training length is passed). Dynamic NTK stretches its base by
 # the length it sees (alpha = L / original_max_len) and keeps factor 1, as Hugging Face's default does.
@@ -223,7 +226,7 @@ def evaluate_lengths(config: RunConfig, model: torch.nn.Module, lengths: list[in
     (``evaluation_config``); a bad one raises rather than filling the records."""
     base = training_length(config)
     evaluated = evaluation_config(config, eval_data)
-    windows = _length_option(config).windows
+    windows = _length_option(evaluated).windows(evaluated.data.options)
     longest = longest or max(lengths)
     device = next(model.parameters()).device
     out = []

@@ -56,11 +56,11 @@ SCALES = {
 }
 INIT_STDS = (0.002, 0.02, 0.2)
 INIT_MEANS = (0.0, 4.0, 8.0)
-# Untrained models are cheap, so the ablation averages several initialisations: one draw on 64 sequences
-# moved the mean-8 score by 0.045 when only the sequences changed.
+# Untrained models are cheap, so the ablation averages several initialisations: with one, the mean-8 score
+# moved by 0.045 when only the 64 sequences it reads changed, across the claim's threshold.
 INIT_SEEDS = (0, 1, 2)
-# The paper's model sizes (layers, width), measured at initialisation at every scale but smoke: untrained
-# models cost one forward each. Heads are 64 wide, as nanoGPT's.
+# The paper's model sizes (layers, width), measured at initialisation (untrained models cost one forward
+# each; the smoke scale uses two small ones). Heads are 64 wide, as nanoGPT's.
 SIZES = {"smoke": ((1, 64), (2, 128)),
          "quick": tuple((layers, width) for layers in (6, 12, 24) for width in (192, 384, 768))}
 SIZES["paper"] = SIZES["quick"]
@@ -160,6 +160,7 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
                                      yticklabels=[str(s) for s in INIT_STDS]), out))
 
     mlp = probe_result["models"]["trained"]["mlp"]
+    by_size = {f"{layers} x {width}": s["first"] for (layers, width), s in sizes.items()}
     result_claims = [
         claims.within("score at the token-embedding layer is ~0.5 (mean over tasks, init)", "~0.5",
                       statistics.fmean(embed_scores.values()), 0.4, 0.6),
@@ -174,8 +175,8 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
         claims.all_of("a large init mean matters less: std 0.02 with mean 0, 4, 8 keeps >= 0.8", "matters less",
                       {f"mean {m:g}": ablation[(0.02, m)] for m in INIT_MEANS}, 0.8),
         claims.all_of("at initialisation the pattern is stable across model sizes: first attention layer's output "
-                      f">= 0.8 at every size (layers x width: {', '.join(f'{l} x {w}' for l, w in sizes)})",
-                      "stable across sizes", {f"{l} x {w}": s["first"] for (l, w), s in sizes.items()}, 0.8),
+                      f">= 0.8 at every size (layers x width: {', '.join(by_size)})", "stable across sizes",
+                      by_size, 0.8),
         claims.within("bidirectional NoPE control has no adjacency pattern (first attention layer's output)", "~0.5",
                       bidirectional, 0.4, 0.6),
         claims.lowest("cosine-similarity features predict position better than variance features "
@@ -194,7 +195,7 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
         {"title": f"Model sizes at initialisation ({TASKS[0]} sequences): score of the first and the last attention "
                   "layer's output",
          "columns": ["layers", "width", "first layer", "last layer"],
-         "rows": [[l, w, s["first"], s["last"]] for (l, w), s in sizes.items()]},
+         "rows": [[layers, width, s["first"], s["last"]] for (layers, width), s in sizes.items()]},
         {"title": f"MLP probe of absolute position ({scale['probe_task']}, trained NoPE)",
          "columns": ["features", "NRMSE", "Pearson R"],
          "rows": [[k, v["nrmse"], v["pearson_r"]] for k, v in mlp.items()]},
@@ -208,5 +209,5 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
                         details={"trained_first_layer": trained_scores, "init_first_layer": init_scores,
                                  "embed": embed_scores, "accuracy": accuracy, "bidirectional": bidirectional,
                                  "ablation": {f"std={s},mean={m}": v for (s, m), v in ablation.items()},
-                                 "sizes": {f"{l}x{w}": s for (l, w), s in sizes.items()}})
+                                 "sizes": {f"{layers}x{width}": s for (layers, width), s in sizes.items()}})
 

@@ -37,10 +37,10 @@ SCALES = {
               "factors": (1, 2, 4, 8, 10), "sequences": 32, "eval_data": None,
               # What was tried for a claim (by its opening words) that does not hold: shown only then.
               "tried": {"PoPE beats RoPE + YaRN":
-                            "Only this fine-tune was run: 50 steps at 4x the length, as many tokens a step as the "
-                            "base training, i.e. 12.5% of its steps (the paper's 500 steps after a full training "
-                            "are a far smaller share). Evaluation-time YaRN, without fine-tuning, is in the table "
-                            "for comparison."}},
+                            "Only this fine-tune was run (50 steps at 4x the length with as many tokens a step as the "
+                            "base training's 400: 12.5% of them; the paper's 500 steps after a full training are a "
+                            "far smaller share). Evaluation-time YaRN, without fine-tuning, is in the table for "
+                            "comparison."}},
     "smoke": {"data": "lm_quick.yaml", "documents": 60, "tokenizer_documents": 30, "seq_len": 16,
               "model": {"d_model": 32, "n_layers": 1, "n_heads": 2},
               "train": {"steps": 3, "batch_size": 8, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 1},
@@ -60,7 +60,8 @@ SCALES = {
                            "warmup_steps": 20},
               "factors": (1, 2, 4, 6, 8, 10), "sequences": 256, "eval_data": "pg19_eval.yaml",
               # The paper's larger models, GPT-2-shaped so that their tied counts come to its 253M and 774M;
-              # the same global batch in smaller micro-batches. The base model above is the 124M.
+              # the same global batch in smaller micro-batches. The base model above is the 124M; sizes are
+              # listed smallest first (the claims compare the first with the last).
               "size": "124M",
               "sizes": {"253M": {"model": {"d_model": 1024, "n_layers": 16, "n_heads": 16}, "grad_accum": 16},
                         "774M": {"model": {"d_model": 1280, "n_layers": 36, "n_heads": 20}, "grad_accum": 32}}},
@@ -86,7 +87,7 @@ def run_config(scale: dict, scheme: str, out: Path) -> dict:
 
 def finetune_config(scale: dict, out: Path) -> dict:
     """The RoPE run's config at finetune["factor"] x its length, under YaRN at that factor, starting from the
-    RoPE run's weights with a fresh optimizer at a constant learning rate (as YaRN's fine-tune)."""
+    RoPE run's weights with a fresh optimizer: a short warm-up, then a constant learning rate (as YaRN's)."""
     base, tune = run_config(scale, "rope", out), scale["finetune"]
     length = scale["seq_len"] * tune["factor"]
     yarn = {"scaling": "yarn", "factor": float(tune["factor"]), "original_max_len": scale["seq_len"]}
@@ -94,7 +95,7 @@ def finetune_config(scale: dict, out: Path) -> dict:
             "model": {**base["model"], "max_seq_len": length, "positional": {"name": "rope", "options": yarn}},
             "data": {**base["data"], "seq_len": length},
             "train": {**base["train"], **{k: v for k, v in tune.items() if k != "factor"}, "schedule": "constant",
-                      "init_from": str(out / "runs" / "rope")}}
+                      "min_lr": tune["lr"], "init_from": str(out / "runs" / "rope")}}
 
 
 def eval_data(scale: dict) -> dict | None:
@@ -130,8 +131,8 @@ def size_growth(scale: dict, out: Path, device: str, evaluated: dict | None) -> 
         data = extrapolation_analysis(pope, Options(sequences=scale["sequences"], batch_size=8,
                                                     factors=(1, top), compare=(str(out / "runs" / f"rope-{size}"),),
                                                     scalings=(), device=device, eval_data=evaluated))
-        losses = {name.split("-")[0]: [rec.get("loss", math.nan) for rec in run["curves"]["none"]]
-                  for name, run in data["runs"].items()}
+        losses = {scheme: [rec.get("loss", math.nan) for rec in data["runs"][f"{scheme}-{size}"]["curves"]["none"]]
+                  for scheme in SCHEMES}  # analyses name runs by their directories
         growth[size] = {scheme: loss[1] / loss[0] for scheme, loss in losses.items()}
     return growth
 
@@ -179,7 +180,12 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
                        {tuned_name: loss_at(tuned_name, top), "pope": loss_at("pope", top)},
                        larger=tuned_name, smaller="pope"),
     ]
-    tables = []
+    source = (evaluated or {}).get("source") or {}
+    corpus = f", evaluated on {source.get('name') or source['type']} {source.get('split', '')}" if source else ""
+    corpus = corpus.rstrip()
+    tables = [{"title": f"Loss against evaluation length (training length {scale['seq_len']} tokens{corpus})",
+               "columns": ["model", *[f"{f}x" for f in scale["factors"]]],
+               "rows": [[name, *[loss_at(name, f) for f in scale["factors"]]] for name in series]}]
     if scale.get("sizes"):
         by_size = {scale["size"]: {"pope": growth["pope"], "rope": growth["rope"]},
                    **size_growth(scale, out, device, evaluated)}
@@ -195,12 +201,6 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
         tables.append({"title": f"Loss at {top}x / loss at 1x by model size",
                        "columns": ["size", "pope", "rope"],
                        "rows": [[size, g["pope"], g["rope"]] for size, g in by_size.items()]})
-    source = (evaluated or {}).get("source") or {}
-    corpus = f", evaluated on {source.get('name') or source['type']} {source.get('split', '')}" if source else ""
-    corpus = corpus.rstrip()
-    tables.insert(0, {"title": f"Loss against evaluation length (training length {scale['seq_len']} tokens{corpus})",
-                      "columns": ["model", *[f"{f}x" for f in scale["factors"]]],
-                      "rows": [[name, *[loss_at(name, f) for f in scale["factors"]]] for name in series]})
     figures = [rel(pope.out_dir / f, out) for f in data["figures"]]
     return RecipeResult("extrapolation", scale_name, result_claims, figures=figures, tables=tables,
                         notes=claims.tried_notes(result_claims, scale.get("tried", {})),
