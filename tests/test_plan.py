@@ -70,6 +70,7 @@ def test_paper_plan_from_the_command_line_writes_nothing(tmp_path, capsys):
     assert rows["adjacency/runs/nope-addition-s0"][3] == "10.6M"
     assert rows["extrapolation/runs/pope"][0] == "extrapolation, frequencies"
     assert rows["extrapolation/runs/pope"][3] == "123.6M"
+    assert rows["indirect-indexing/runs/rope-half-s0"][2] == "decoder, rope (fraction=0.5), 8 x 512"
     assert 4e16 < float(rows["indirect-indexing/runs/rope-s0"][6]) < 6e16
     assert all(cells[-1] == "not started" for cells in rows.values())
     # The README quotes this plan's totals.

@@ -63,7 +63,9 @@ def _training(recipes: tuple[str, ...], config: dict[str, Any], run_dir: Path, o
     sequences = cfg.train.steps * cfg.train.batch_size
     model = cfg.model.to_dict()
     shape = f"{model['n_layers']} x {model.get('d_model') or model['d_ap'] + model['d_sem']}"
-    scheme = model.get("positional", {}).get("name")
+    positional = model.get("positional", {})
+    options = " ".join(f"{k}={v}" for k, v in positional.get("options", {}).items())
+    scheme = f"{positional.get('name')} ({options})" if options else positional.get("name")
     return Training(recipes=recipes, directory=str(run_dir.relative_to(out)),
                     model=", ".join(x for x in (model["arch"], scheme, shape) if x),
                     parameters=parameters, sequence=sequence, tokens=sequences * sequence,
