@@ -357,3 +357,20 @@ def test_a_finished_run_trained_with_other_settings_is_not_reused(tmp_path):
     with pytest.raises(PoslabError, match=r"run was trained with other settings \(run.model.init_std \(0.02 there, "
                                           r"0.05 now\)\).*delete it to train it again"):
         ensure_run(changed, tmp_path / "run", lambda _: None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe, key", [("indirect_indexing", ("rope-half", 0)), ("indirect_indexing", ("alibi-half", 0)),
+                                         ("indirect_indexing", ("pope", 0)), ("adjacency", ("nope", "addition", 0))])
+def test_paper_scale_task_trainings_take_steps_on_the_cpu(recipe, key, tmp_path):
+    """The paper's own task trainings (their models, data and optimiser), two steps each with smaller evaluation
+    splits: what the meta-device check above cannot find (a forward, the data's 1M training problems)."""
+    import importlib
+
+    from poslab.train import RunConfig, train
+
+    config, _ = importlib.import_module(f"poslab.experiments.{recipe}").runs("paper", tmp_path)[key]
+    config = {**config, "data": {**config["data"], "validation_size": 64, "test_size": 64},
+              "train": {**config["train"], "steps": 2, "warmup_steps": 1}}
+    final = train(RunConfig.from_dict(config), tmp_path / "run")
+    assert final["step"] == 2 and math.isfinite(final["eval_loss"])
