@@ -374,3 +374,36 @@ def test_paper_scale_task_trainings_take_steps_on_the_cpu(recipe, key, tmp_path)
               "train": {**config["train"], "steps": 2, "warmup_steps": 1}}
     final = train(RunConfig.from_dict(config), tmp_path / "run")
     assert final["step"] == 2 and math.isfinite(final["eval_loss"])
+
+
+def _look_on_two_ranks(rank: int, store: str, results: str) -> None:
+    import torch.distributed as dist
+
+    from poslab.experiments.common import _rank_zero_view
+
+    import datetime
+
+    # A rank left waiting (the bug) times out and fails the test instead of hanging it.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+
+    def look():
+        if rank == 0:
+            raise PoslabError("runs/x was trained with other settings")
+        return "rank 1 must not look"
+    try:
+        outcome = f"returned {_rank_zero_view(look)}"
+    except PoslabError as err:
+        outcome = f"raised {err}"
+    finally:
+        dist.destroy_process_group()
+    Path(results, str(rank)).write_text(outcome)
+
+
+def test_an_error_in_rank_zeros_look_reaches_every_rank(tmp_path):
+    """Under torchrun rank 0 decides whether to train; when its look refuses (a run trained with other
+    settings), the other ranks raise the same error instead of waiting for an answer for hours."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_look_on_two_ranks, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    assert [(tmp_path / str(rank)).read_text() for rank in (0, 1)] == ["raised runs/x was trained with other settings"] * 2

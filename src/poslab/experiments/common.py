@@ -79,12 +79,21 @@ def _state(cfg: RunConfig, out: Path) -> tuple[dict[str, Any] | None, bool, bool
 
 def _rank_zero_view(look: Callable[[], Any]) -> Any:
     """``look()`` as rank 0 sees it, on every rank. Under torchrun the ranks must agree on whether to train
-    and how (a rank looking after rank 0 created the directory would see another state and deadlock)."""
+    and how (a rank looking after rank 0 created the directory would see another state and deadlock). A
+    PoslabError in rank 0's look is raised on every rank: the others would otherwise wait for its answer."""
     if not (dist.is_available() and dist.is_initialized()):
         return look()
-    box = [look() if dist.get_rank() == 0 else None]
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box = [("ok", look())]
+        except PoslabError as err:
+            box = [("error", str(err))]
     dist.broadcast_object_list(box, src=0)
-    return box[0]
+    kind, value = box[0]
+    if kind == "error":
+        raise PoslabError(value)
+    return value
 
 
 def ensure_runs(runs: dict[Any, tuple[dict[str, Any], Path]], log: Callable[[str], None],
