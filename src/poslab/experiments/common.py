@@ -71,10 +71,15 @@ def ensure_run(config: dict[str, Any], out: Path, log: Callable[[str], None]) ->
 
 def _state(cfg: RunConfig, out: Path) -> tuple[dict[str, Any] | None, bool, bool]:
     """(final metrics if finished, whether a checkpoint to resume exists, whether ``out`` exists)."""
-    resume = False
-    with contextlib.suppress(CheckpointError):  # no checkpoint yet: a fresh run
-        resume = load_trainer_state(resolve(out / "checkpoints" / "last"))["step"] > 0
-    return finished(cfg, out), resume, out.exists()
+    return finished(cfg, out), saved_step(out) > 0, out.exists()
+
+
+def saved_step(out: Path, log: Callable[[str], None] | None = None) -> int:
+    """The step of the run's last intact checkpoint, 0 when it has none yet (``log``: why a newer one was
+    skipped; default stderr)."""
+    with contextlib.suppress(CheckpointError):
+        return load_trainer_state(resolve(out / "checkpoints" / "last", log))["step"]
+    return 0
 
 
 def _rank_zero_view(look: Callable[[], Any]) -> Any:

@@ -11,7 +11,6 @@ head scores only the masked tokens (``sparse_prediction``) are counted with it o
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import json
@@ -22,12 +21,11 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from poslab.errors import CheckpointError, PoslabError
-from poslab.experiments.common import finished, trained_otherwise
+from poslab.errors import PoslabError
+from poslab.experiments.common import finished, saved_step, trained_otherwise
 from poslab.experiments.runner import RECIPES
 from poslab.models import build_model
 from poslab.train import RunConfig, load_config
-from poslab.train.checkpoint import load_trainer_state, resolve
 
 
 @dataclass(frozen=True)
@@ -107,8 +105,8 @@ def _progress(cfg: RunConfig, run_dir: Path, flops: float) -> dict[str, Any]:
     except PoslabError:
         return {"status": f"trained with other settings ({trained_otherwise(cfg, run_dir)}): delete it or use "
                           "another --out", "left": flops}
-    with contextlib.suppress(CheckpointError):
-        step = load_trainer_state(resolve(run_dir / "checkpoints" / "last", log=lambda _: None))["step"]
+    step = saved_step(run_dir, log=lambda _: None)
+    if step:
         return {"status": f"step {step:,} of {cfg.train.steps:,}", "left": flops * (1 - step / cfg.train.steps)}
     return {"status": "not started", "left": flops}
 
