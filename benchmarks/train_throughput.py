@@ -28,8 +28,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from x_transformers import Decoder, TransformerWrapper
-from x_transformers.x_transformers import GLU
+
+try:
+    from x_transformers import Decoder, TransformerWrapper
+    from x_transformers.x_transformers import GLU
+except ImportError:  # the baseline is an optional extra: say how to get it, in one line
+    raise SystemExit("benchmarks/train_throughput.py needs x-transformers, the baseline it measures against: "
+                     "POSLAB_EXTRAS=dev,bench bash scripts/setup.sh (or pip install -e '.[bench]')") from None
 
 import poslab
 from poslab.train import load_config, train

@@ -38,7 +38,8 @@ for backward in split atomic; do
     step kernel.txt 120 python3 benchmarks/pope_kernel.py ${CONFIGS[@]+"${CONFIGS[@]}"} --backward "$backward" --breakdown
 done
 # The run directory stays outside $OUT: only a few files come back from a device session.
-step smoke.txt 150 python3 -m poslab reproduce all --scale smoke --out /tmp/poslab-smoke --jobs 1 --force
+rm -rf /tmp/poslab-smoke  # a report left by an earlier run must not pass for this one's
+step smoke.txt 150 python3 -m poslab reproduce all --scale smoke --out /tmp/poslab-smoke --jobs 1
 cp /tmp/poslab-smoke/report.md "$OUT/smoke_report.md" 2>/dev/null || failed=$((failed + 1))
 step train_step.txt 90 python3 benchmarks/pope_train_step.py ${CONFIGS[@]+"${CONFIGS[@]}"}
 step kernel.txt 60 python3 benchmarks/pope_kernel.py ${CONFIGS[@]+"${CONFIGS[@]}"} --bidirectional --n 4096 16384

@@ -88,6 +88,29 @@ def test_another_scale_is_refused_and_keeps_the_results(tmp_path, fake_recipes):
     assert {name: (tmp_path / name).read_text() for name in before} == before
 
 
+def interrupt(recipe: str, monkeypatch) -> None:
+    """Make a fake recipe stop as a Ctrl-C would stop it."""
+    def boom(scale, out, log, jobs, device):
+        raise KeyboardInterrupt
+
+    sys.modules["fake_recipes"].boom = boom
+    monkeypatch.setitem(runner.RECIPES, recipe, ("fake_recipes:boom", recipe))
+
+
+def test_another_scale_is_refused_before_any_recipe_finished(tmp_path, fake_recipes, monkeypatch):
+    """DIR/scale.json names the scale from the start: a quick run in a directory whose smoke run was stopped in
+    its first recipe used to fail later, on the first training, with "cannot resume: model.d_model differs"."""
+    interrupt("one", monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        runner.reproduce(["all"], "smoke", tmp_path, log=lambda _: None)
+    assert not (tmp_path / "results.json").exists()
+    with pytest.raises(PoslabError, match=f"^{re.escape(str(tmp_path))} holds smoke-scale trainings \\(see "
+                                          f"{re.escape(str(tmp_path / 'scale.json'))}\\); one --out holds one scale"):
+        runner.reproduce(["one"], "quick", tmp_path, log=lambda _: None)
+    runner.reproduce(["two"], "smoke", tmp_path, log=lambda _: None)  # the same scale goes on
+    assert fake_recipes == ["two"]
+
+
 def test_damaged_results_are_rebuilt_or_redone(tmp_path, fake_recipes):
     """results.json is rebuilt from the recipes' result.json (it was a JSONDecodeError or an AttributeError);
     a damaged result.json counts as not finished, says so, and is redone (it was an AttributeError)."""
@@ -110,11 +133,7 @@ def test_damaged_results_are_rebuilt_or_redone(tmp_path, fake_recipes):
 
 
 def test_interrupted_recipe_leaves_finished_ones(tmp_path, fake_recipes, monkeypatch):
-    def boom(scale, out, log, jobs, device):
-        raise KeyboardInterrupt
-
-    sys.modules["fake_recipes"].boom = boom
-    monkeypatch.setitem(runner.RECIPES, "two", ("fake_recipes:boom", "second"))
+    interrupt("two", monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         runner.reproduce(["all"], "smoke", tmp_path, log=lambda _: None)
     assert json.loads((tmp_path / "results.json").read_text())["recipes"].keys() == {"one"}
@@ -127,6 +146,14 @@ def test_unknown_recipe_lists_valid_ones(capsys):
     assert err.count("\n") == 0 and "did you mean 'adjacency'" in err and "indirect-indexing" in err
     assert main(["reproduce", "all", "bogus"]) == 2
     assert "'all' runs every recipe, so give it alone" in capsys.readouterr().err
+
+
+def test_bad_jobs_and_threads_are_refused_with_plan_too(capsys, tmp_path):
+    for option in ("--jobs", "--threads"):
+        assert main(["reproduce", "frequencies", "--scale", "smoke", "--plan", option, "-2",
+                     "--out", str(tmp_path / "out")]) == 2
+        assert capsys.readouterr().err == f"poslab: error: {option} must be >= 1, got -2\n"
+    assert not (tmp_path / "out").exists()
 
 
 def test_unknown_scale_and_missing_name(capsys, tmp_path):
@@ -407,3 +434,59 @@ def test_an_error_in_rank_zeros_look_reaches_every_rank(tmp_path):
 
     mp.spawn(_look_on_two_ranks, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
     assert [(tmp_path / str(rank)).read_text() for rank in (0, 1)] == ["raised runs/x was trained with other settings"] * 2
+
+
+def test_workers_exit_when_the_reproduction_is_killed(tmp_path):
+    """SIGTERM to the parent alone (not its process group) skips its pool.shutdown: the workers used to finish
+    their training into --out and then idle forever."""
+    import signal
+    import time
+
+    script = ("import os, sys, time\n"
+              "from poslab.experiments.common import worker_pool\n"
+              "pool = worker_pool(1)\n"
+              "pool.submit(time.sleep, 120)\n"
+              "time.sleep(0.5)\n"
+              "print(*pool._processes, flush=True)\n"  # the worker's pid, for the test to watch
+              "time.sleep(120)\n")
+    # stderr: the killed parent's resource tracker warns of the semaphores it leaves
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              text=True)
+    (worker,) = map(int, parent.stdout.readline().split())
+    try:
+        parent.send_signal(signal.SIGTERM)
+        parent.wait(30)
+        deadline = time.monotonic() + 30
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(worker), "the worker outlived its parent"
+    finally:
+        if _alive(worker):
+            os.kill(worker, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie has exited; its reaper, init, may not have collected it yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_paper_scale_without_cuda_warns(tmp_path, fake_recipes, monkeypatch, capsys):
+    """It trained for weeks of CPU time without a word."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["reproduce", "one", "--scale", "paper", "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert err == ("poslab: warning: --scale paper on a machine without CUDA: its trainings take GPU-days (see "
+                   "'poslab reproduce one --scale paper --plan')\n")
+
+
+def test_report_keeps_compared_numbers_apart():
+    """A held "rope > pope" read "rope: 1, pope: 1" at 4 significant digits (1.0003 vs 1.0002)."""
+    from poslab.experiments.report import _fmt
+
+    assert _fmt({"rope": 1.0003, "pope": 1.0002}) == "rope: 1.0003, pope: 1.0002"
+    assert _fmt({"rope": 0.123456, "pope": 0.654321, "n": 3}) == "rope: 0.1235, pope: 0.6543, n: 3"
+    assert _fmt([0.5, 0.5, 2.0]) == "0.5, 0.5, 2"
+    assert _fmt(1.0003) == "1"

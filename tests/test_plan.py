@@ -85,3 +85,12 @@ def test_plan_refuses_an_unknown_scale_or_recipe(tmp_path, capsys):
     assert main(["reproduce", "dstgg", "--plan", "--out", str(tmp_path / "x")]) == 2
     assert "did you mean 'dstg'" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_plan_refuses_another_scales_directory(tmp_path, capsys):
+    """As the run would: --plan read a smoke directory's checkpoints as paper progress ("step 3 of 100,000")
+    and counted the paper models with the smoke run's vocabulary."""
+    (tmp_path / "scale.json").write_text('{"scale": "smoke"}')  # what a smoke run writes when it starts
+    assert main(["reproduce", "frequencies", "--scale", "paper", "--plan", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"poslab: error: {tmp_path} holds smoke-scale trainings") and err.count("\n") == 1

@@ -635,3 +635,17 @@ def test_ctrl_c_while_poslab_imports_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(builtins, "__import__", interrupted)
     assert poslab_launcher.main() == 130
     assert capsys.readouterr().err == "poslab: interrupted\n"
+
+
+def test_a_closed_output_pipe_stops_quietly():
+    """`poslab ... | head -1`: the reader leaves early. It was "poslab: error: Broken pipe" with exit 2 (or a
+    traceback at exit); now nothing on stderr and 141, as for any tool that SIGPIPE stops."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "poslab", "tasks", "show", "addition", "-n", "20000"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as process:
+        assert process.stdout.readline()
+        process.stdout.close()
+        err = process.stderr.read()
+    assert process.returncode == 141 and err == b"", err

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 import torch  # every command imports it anyway; here only for its OutOfMemoryError
@@ -43,10 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        return code
     except PoslabError as err:
         _error(str(err))
         return 2
+    except BrokenPipeError:  # the reader of stdout left (`poslab ... | head`): stop quietly, as Unix tools do
+        _drop_stdout()
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool the closed pipe stopped
     except OSError as err:  # unreadable input, unwritable output: the user's to fix
         _error(f"{err.strerror or err}: {err.filename or ''}".rstrip(": "))
         return 2
@@ -62,6 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("poslab: interrupted", file=sys.stderr)
         return 130
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null: Python flushes it once more at exit, which would fail on the closed pipe."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 def _out_of_memory(err: BaseException) -> None:

@@ -19,9 +19,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("data", help="prepare text corpora for masked-LM / causal-LM training")
     commands = parser.add_subparsers(dest="data_command", required=True)
     p = commands.add_parser("prepare", help="tokenize a corpus into memory-mapped shards with structure labels",
-                            description="Tokenize a corpus (files, JSONL, Hugging Face dataset or the synthetic "
-                                        "corpus) into DIR: shards of token ids and structure labels, the "
-                                        "tokenizer and manifest.json. DIR appears only when complete.")
+                            description="Tokenize a corpus (source.type: text files, jsonl, a Hugging Face "
+                                        "dataset (hf) or the synthetic corpus) into DIR: shards of token ids "
+                                        "and structure labels, the tokenizer and manifest.json. DIR appears "
+                                        "only when complete.")
     p.add_argument("config", help="YAML data config (or a run config with a 'data' section)")
     p.add_argument("--out", required=True, type=path_argument, help="directory to create")
     p.add_argument("--force", action="store_true",

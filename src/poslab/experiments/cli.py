@@ -1,8 +1,10 @@
-"""``poslab reproduce NAME|all --scale quick|paper --out DIR`` and ``poslab reproduce --list``."""
+"""``poslab reproduce NAME|all --scale quick|paper|smoke --out DIR`` and ``poslab reproduce --list``."""
 from __future__ import annotations
 
 import argparse
 import os
+import sys
+from pathlib import Path
 
 import torch
 
@@ -14,7 +16,9 @@ from poslab.errors import PoslabError
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("reproduce", help="reproduce the papers' headline claims and write a report")
     p.add_argument("names", nargs="*", metavar="NAME", help="recipe names, or 'all'")
-    p.add_argument("--scale", default="quick", help="quick (CPU minutes) or paper (GPUs, torchrun)")
+    p.add_argument("--scale", default="quick",
+                   help="quick (CPU minutes, the default), paper (GPUs, torchrun) or smoke (seconds: checks that "
+                        "the recipes run, measures nothing)")
     p.add_argument("--out", default="runs/reproduce", type=path_argument,
                    help="output directory (default runs/reproduce); it holds the results of one --scale")
     p.add_argument("--force", action="store_true",
@@ -36,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from poslab.experiments.runner import RECIPES, check_scale, reproduce, resolve
+    from poslab.experiments.runner import RECIPES, check_out_scale, check_scale, load_finished, reproduce, resolve
 
     if args.list:
         for name, (_, description) in RECIPES.items():
@@ -44,24 +48,28 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not args.names:
         raise PoslabError("name a recipe or 'all' (see 'poslab reproduce --list')")
+    names, scale = resolve(args.names), check_scale(args.scale)
+    for option in ("threads", "jobs"):
+        if getattr(args, option) is not None and getattr(args, option) < 1:
+            raise PoslabError(f"--{option} must be >= 1, got {getattr(args, option)}")
     if args.plan:
         from poslab.experiments.plan import plan, render
 
-        print(render(plan(resolve(args.names), check_scale(args.scale), args.out), args.scale))
+        check_out_scale(Path(args.out), scale, load_finished(Path(args.out), lambda _: None))
+        print(render(plan(names, scale, args.out), scale))
         return 0
-    small = args.scale in ("quick", "smoke")
+    small = scale in ("quick", "smoke")
     threads = args.threads if args.threads is not None else (1 if small else None)
     if threads is not None:
-        if threads < 1:
-            raise PoslabError(f"--threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
     # One 1-thread training per CPU suits small CPU models; on a GPU they would all crowd onto one device.
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     jobs = args.jobs if args.jobs is not None else cpus if small and not torch.cuda.is_available() else 1
-    if jobs < 1:
-        raise PoslabError(f"--jobs must be >= 1, got {jobs}")
     device = analysis_device(args.analysis_device)
-    data = reproduce(args.names, args.scale, args.out, force=args.force, jobs=jobs, device=device)
+    if scale == "paper" and not torch.cuda.is_available():
+        print(f"poslab: warning: --scale paper on a machine without CUDA: its trainings take GPU-days (see "
+              f"'poslab reproduce {' '.join(args.names)} --scale paper --plan')", file=sys.stderr)
+    data = reproduce(names, scale, args.out, force=args.force, jobs=jobs, device=device)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun the other ranks trained but did not measure
         held = sum(c["held"] for r in data["recipes"].values() for c in r["claims"])
         total = sum(len(r["claims"]) for r in data["recipes"].values())

@@ -5,6 +5,8 @@ import contextlib
 import json
 import multiprocessing
 import os
+import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
@@ -118,7 +120,7 @@ def ensure_runs(runs: dict[Any, tuple[dict[str, Any], Path]], log: Callable[[str
         return {name: ensure_run(config, out, log) for name, (config, out) in runs.items()}
     workers = min(jobs, len(pending))
     threads = max(1, torch.get_num_threads() // workers)
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+    pool = worker_pool(workers)
     try:
         futures = {}
         for name, (config, out) in pending.items():
@@ -129,6 +131,22 @@ def ensure_runs(runs: dict[Any, tuple[dict[str, Any], Path]], log: Callable[[str
         pool.shutdown(cancel_futures=True)  # after a failure, do not start the runs still queued
     return {name: done[name] if name in done else ensure_run(config, out, log)
             for name, (config, out) in runs.items()}
+
+
+def worker_pool(workers: int) -> ProcessPoolExecutor:
+    """Spawned workers that exit with this process. A reproduction killed alone (SIGTERM to its pid, not its
+    process group) never reaches its ``pool.shutdown``: its workers went on training into --out and then
+    idled forever."""
+    return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_exit_with_parent, initargs=(os.getpid(),))
+
+
+def _exit_with_parent(parent: int, every: float = 0.5) -> None:
+    def watch() -> None:
+        while os.getppid() == parent:  # an orphan is adopted by init (or a subreaper): another parent
+            time.sleep(every)
+        os._exit(1)  # at once: what the worker was writing is a checkpoint in progress, which resume handles
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def _ensure_run_in_worker(config: dict[str, Any], out: Path, threads: int) -> dict[str, Any]:

@@ -4,14 +4,26 @@ from __future__ import annotations
 from typing import Any
 
 
-def _fmt(value: Any) -> str:
+def _fmt(value: Any, digits: int = 4) -> str:
     if isinstance(value, float):
-        return f"{value:.4g}"
+        return f"{value:.{digits}g}"
     if isinstance(value, dict):
-        return ", ".join(f"{k}: {_fmt(v)}" for k, v in value.items())
+        digits = _distinct_digits(list(value.values()))
+        return ", ".join(f"{k}: {_fmt(v, digits)}" for k, v in value.items())
     if isinstance(value, list):
-        return ", ".join(_fmt(v) for v in value)
+        digits = _distinct_digits(value)
+        return ", ".join(_fmt(v, digits) for v in value)
     return str(value)
+
+
+def _distinct_digits(values: list[Any]) -> int:
+    """Significant digits (4 or more) that keep the different numbers of one cell apart: a claim comparing
+    1.0003 with 1.0002 read "1" against "1"."""
+    numbers = {v for v in values if isinstance(v, float)}
+    digits = 4
+    while digits < 12 and len({f"{v:.{digits}g}" for v in numbers}) < len(numbers):
+        digits += 1
+    return digits
 
 
 def _table(columns: list[str], rows: list[list[Any]]) -> list[str]:

@@ -5,7 +5,8 @@ whose result exists, so an interrupted ``reproduce all`` resumes instead of redo
 are the source of truth: results.json and report.md are rebuilt from them (atomically) after every
 recipe, so a damaged results.json is simply rewritten, and a damaged result.json counts as not finished.
 One DIR holds one scale: a run at another scale is refused (it would resume the other scale's trainings
-and drop its results from results.json).
+and drop its results from results.json). DIR/scale.json names it from the start, so the refusal holds before
+any recipe has finished too.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from poslab.files import atomic_write_text
 from poslab.train.parallel import Parallel
 
 SCALES = ("quick", "paper", "smoke")  # smoke: seconds-long runs that exercise a recipe in tests
+SCALE_FILE = "scale.json"
 
 # name -> ("module:function", one-line description). The function takes (scale, out_dir, log).
 RECIPES: dict[str, tuple[str, str]] = {
@@ -168,13 +170,28 @@ def reproduce(names: list[str], scale: str, out: str | Path, force: bool = False
     return {"recipes": recipes, "scale": scale}
 
 
-def _run_recipes(names: list[str], scale: str, out: Path, force: bool, log: Callable[[str], None],
-                 jobs: int, device: str) -> dict[str, Any]:
-    recipes = load_finished(out, log)
+def check_out_scale(out: Path, scale: str, recipes: dict[str, dict[str, Any]]) -> None:
+    """Refuse ``scale`` where ``out`` holds another scale's finished ``recipes`` or, before any finished,
+    its trainings (named by DIR/scale.json)."""
     other = sorted({result["scale"] for result in recipes.values()} - {scale})
     if other:
         raise PoslabError(f"{out} holds {' and '.join(other)}-scale results; one --out holds one scale, so choose "
                           f"another --out for --scale {scale}")
+    try:
+        marked = json.loads((out / SCALE_FILE).read_text()).get("scale")
+    except (OSError, ValueError, AttributeError):  # none yet (or damaged): the finished results decide
+        return
+    if marked in SCALES and marked != scale:
+        raise PoslabError(f"{out} holds {marked}-scale trainings (see {out / SCALE_FILE}); one --out holds one "
+                          f"scale, so choose another --out for --scale {scale}")
+
+
+def _run_recipes(names: list[str], scale: str, out: Path, force: bool, log: Callable[[str], None],
+                 jobs: int, device: str) -> dict[str, Any]:
+    recipes = load_finished(out, log)
+    check_out_scale(out, scale, recipes)
+    if _is_main():
+        write_json(out / SCALE_FILE, {"scale": scale})
     for name in names:
         finished = None if force else recipes.get(name)
         if finished is not None:

@@ -19,7 +19,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     show.add_argument("name", help="task name (see `poslab tasks list`)")
     show.add_argument("-n", type=int, default=5, help=f"how many samples, at most {MAX_EXAMPLES:,} (default 5)")
     show.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
-    show.add_argument("--split", default="train", help="train, validation, test or test_long (default train)")
+    show.add_argument("--split", default="train",
+                      help="train, validation, test, or test_long where the task sets train_max_len (default train)")
     show.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="override a task option, e.g. --set max_len=12 (repeatable; values parse as YAML)")
     show.set_defaults(func=show_task)
