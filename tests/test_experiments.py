@@ -104,11 +104,17 @@ def test_another_scale_is_refused_before_any_recipe_finished(tmp_path, fake_reci
     with pytest.raises(KeyboardInterrupt):
         runner.reproduce(["all"], "smoke", tmp_path, log=lambda _: None)
     assert not (tmp_path / "results.json").exists()
-    with pytest.raises(PoslabError, match=f"^{re.escape(str(tmp_path))} holds smoke-scale trainings \\(see "
-                                          f"{re.escape(str(tmp_path / 'scale.json'))}\\); one --out holds one scale"):
+    with pytest.raises(PoslabError, match=f"^{re.escape(str(tmp_path))} holds smoke-scale trainings, none finished "
+                                          f"\\(see {re.escape(str(tmp_path / 'scale.json'))}\\); one --out holds one "
+                                          f"scale, .* or delete {re.escape(str(tmp_path))} to start it over$"):
         runner.reproduce(["one"], "quick", tmp_path, log=lambda _: None)
     runner.reproduce(["two"], "smoke", tmp_path, log=lambda _: None)  # the same scale goes on
     assert fake_recipes == ["two"]
+    # A directory recipes wrote before markers existed gets none: what it holds is unknown.
+    legacy = tmp_path / "legacy"
+    (legacy / "two").mkdir(parents=True)
+    runner.reproduce(["two"], "smoke", legacy, log=lambda _: None)
+    assert not (legacy / "scale.json").exists()
 
 
 def test_damaged_results_are_rebuilt_or_redone(tmp_path, fake_recipes):
@@ -384,6 +390,15 @@ def test_a_finished_run_trained_with_other_settings_is_not_reused(tmp_path):
     with pytest.raises(PoslabError, match=r"run was trained with other settings \(run.model.init_std \(0.02 there, "
                                           r"0.05 now\)\).*delete it to train it again"):
         ensure_run(changed, tmp_path / "run", lambda _: None)
+    # A recipe that now trains fewer steps failed with "set train.steps to 3 or more", which a reproduce user
+    # cannot do; one that trains more resumed the finished run under a schedule it did not start with.
+    for steps in (2, 5):
+        other = {**config, "train": {**config["train"], "steps": steps}}
+        with pytest.raises(PoslabError, match=rf"\(run.train.steps \(3 there, {steps} now\)\)"):
+            ensure_run(other, tmp_path / "run", lambda _: None)
+    (tmp_path / "run" / "final.json").unlink()  # interrupted before its end: refused all the same
+    with pytest.raises(PoslabError, match=r"run.model.init_std \(0.02 there, 0.05 now\)"):
+        ensure_run(changed, tmp_path / "run", lambda _: None)
 
 
 @pytest.mark.slow
@@ -436,9 +451,11 @@ def test_an_error_in_rank_zeros_look_reaches_every_rank(tmp_path):
     assert [(tmp_path / str(rank)).read_text() for rank in (0, 1)] == ["raised runs/x was trained with other settings"] * 2
 
 
-def test_workers_exit_when_the_reproduction_is_killed(tmp_path):
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_workers_exit_when_the_reproduction_is_killed():
     """SIGTERM to the parent alone (not its process group) skips its pool.shutdown: the workers used to finish
     their training into --out and then idle forever."""
+    import select
     import signal
     import time
 
@@ -452,25 +469,31 @@ def test_workers_exit_when_the_reproduction_is_killed(tmp_path):
     # stderr: the killed parent's resource tracker warns of the semaphores it leaves
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                               text=True)
-    (worker,) = map(int, parent.stdout.readline().split())
+    worker = started = None
     try:
+        assert select.select([parent.stdout], [], [], 120)[0], "the parent did not start its worker"
+        worker = int(parent.stdout.readline())
+        started = _start_time(worker)
         parent.send_signal(signal.SIGTERM)
         parent.wait(30)
         deadline = time.monotonic() + 30
-        while _alive(worker) and time.monotonic() < deadline:
+        while _start_time(worker) == started and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not _alive(worker), "the worker outlived its parent"
+        assert _start_time(worker) != started, "the worker outlived its parent"
     finally:
-        if _alive(worker):
+        parent.kill()
+        if started is not None and _start_time(worker) == started:
             os.kill(worker, signal.SIGKILL)
 
 
-def _alive(pid: int) -> bool:
-    """Running (a zombie has exited; its reaper, init, may not have collected it yet)."""
+def _start_time(pid: int) -> str | None:
+    """The start time of a running process (another process that took its pid starts at another time), None
+    when it is gone or a zombie (exited; init may not have collected it yet)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+        state, *fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except FileNotFoundError:
-        return False
+        return None
+    return None if state == "Z" else fields[18]  # field 22 of proc(5): starttime
 
 
 def test_paper_scale_without_cuda_warns(tmp_path, fake_recipes, monkeypatch, capsys):
@@ -479,14 +502,19 @@ def test_paper_scale_without_cuda_warns(tmp_path, fake_recipes, monkeypatch, cap
     assert main(["reproduce", "one", "--scale", "paper", "--out", str(tmp_path)]) == 0
     err = capsys.readouterr().err
     assert err == ("poslab: warning: --scale paper on a machine without CUDA: its trainings take GPU-days (see "
-                   "'poslab reproduce one --scale paper --plan')\n")
+                   f"'poslab reproduce one --scale paper --plan --out {tmp_path}')\n")
 
 
 def test_report_keeps_compared_numbers_apart():
-    """A held "rope > pope" read "rope: 1, pope: 1" at 4 significant digits (1.0003 vs 1.0002)."""
-    from poslab.experiments.report import _fmt
+    """A held "rope > pope" read "rope: 1, pope: 1" (1.00031 vs 1.00022), and "ours <= 1.1" failed by 1.1004 read
+    "1.1": claims kept 4 decimals and the report 4 significant digits."""
+    from poslab.experiments.report import summary_rows
 
-    assert _fmt({"rope": 1.0003, "pope": 1.0002}) == "rope: 1.0003, pope: 1.0002"
-    assert _fmt({"rope": 0.123456, "pope": 0.654321, "n": 3}) == "rope: 0.1235, pope: 0.6543, n: 3"
-    assert _fmt([0.5, 0.5, 2.0]) == "0.5, 0.5, 2"
-    assert _fmt(1.0003) == "1"
+    made = [claims.exceeds("gap", "x", {"rope": 1.00031, "pope": 1.00022}, "rope", "pope"),
+            claims.at_most("flat", "x", 1.1004, 1.1),
+            claims.at_least("plain", "x", 0.123456, 0.5),
+            claims.lowest("nan", "x", {"a": 0.25, "b": math.nan, "c": 0.75}, "a")]
+    data = {"recipes": {"r": {"claims": [json.loads(json.dumps(c.to_dict())) for c in made]}}}
+    ours = [row[3] for row in summary_rows(data)]
+    assert ours == ["rope: 1.0003, pope: 1.0002", "1.1004", "0.1235", "a: 0.25, b: nan, c: 0.75"]
+    assert [c.held for c in made] == [True, False, False, False]

@@ -3,6 +3,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from poslab.cli import main
 from poslab.experiments import plan as planning
@@ -37,6 +38,10 @@ def test_plan_lists_each_training_once_with_its_progress(tmp_path):
     (done_config, done_dir), (part_config, part_dir) = runs["pope", 0], runs["rope", 0]
     ensure_run(done_config, done_dir, lambda _: None)
     train(RunConfig.from_dict({**part_config, "train": {**part_config["train"], "steps": 2}}), part_dir)
+    # As if the 3-step run had stopped after step 2: its config.yaml names the 3 steps it set out to train.
+    saved = yaml.safe_load((part_dir / "config.yaml").read_text())
+    saved["train"]["steps"] = 3
+    (part_dir / "config.yaml").write_text(yaml.safe_dump(saved))
 
     trainings = planning.plan(["indirect-indexing", "extrapolation", "frequencies"], "smoke", tmp_path)
     by_dir = {t.directory: t for t in trainings}

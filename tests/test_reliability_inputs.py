@@ -649,3 +649,18 @@ def test_a_closed_output_pipe_stops_quietly():
         process.stdout.close()
         err = process.stderr.read()
     assert process.returncode == 141 and err == b"", err
+
+
+def test_another_broken_pipe_is_an_error(monkeypatch, capsys):
+    """Only stdout's reader leaving is quiet: a pipe to a worker or a socket that breaks is reported."""
+    import argparse
+
+    def broken(_):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    class Parser:
+        def parse_args(self, argv):
+            return argparse.Namespace(func=broken)
+    monkeypatch.setattr(poslab.cli, "build_parser", Parser)
+    assert poslab.cli.main([]) == 2
+    assert capsys.readouterr().err == "poslab: error: Broken pipe\n"

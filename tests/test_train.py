@@ -552,10 +552,11 @@ def test_cli_errors_are_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
 
 def test_an_empty_config_says_so(tmp_path, capsys):
     """It said "a task source needs the task's name (data.name)", the first default that failed."""
-    (tmp_path / "empty.yaml").write_text("# nothing yet\n")
-    assert poslab.cli.main(["train", str(tmp_path / "empty.yaml"), "--out", str(tmp_path / "run")]) == 2
-    assert capsys.readouterr().err == (f"poslab: error: {tmp_path / 'empty.yaml'} is empty: a run config holds seed, "
-                                       "model, data and train (examples: src/poslab/configs/tasks/*.yaml)\n")
+    for text in ("# nothing yet\n", "{}\n"):
+        (tmp_path / "empty.yaml").write_text(text)
+        assert poslab.cli.main(["train", str(tmp_path / "empty.yaml"), "--out", str(tmp_path / "run")]) == 2
+        assert capsys.readouterr().err == (f"poslab: error: {tmp_path / 'empty.yaml'} is empty: a run config holds "
+                                           "seed, model, data and train (examples: src/poslab/configs/tasks/*.yaml)\n")
     assert not (tmp_path / "run").exists()
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import io
 import os
+import select
 import sys
 
 import torch  # every command imports it anyway; here only for its OutOfMemoryError
@@ -13,6 +15,7 @@ import torch  # every command imports it anyway; here only for its OutOfMemoryEr
 from poslab.errors import PoslabError, cut
 
 CPU_ALLOCATOR = "DefaultCPUAllocator"  # in the message of torch's failed CPU allocations
+CLOSED_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a tool that a closed output pipe stopped
 
 COMMAND_MODULES = [
     "poslab.demo",
@@ -42,18 +45,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    code = _main(argv)
+    try:
+        sys.stdout.flush()  # here, not at exit, where a closed pipe would print "Exception ignored ..."
+    except BrokenPipeError:
+        _drop_stdout()
+        return code or CLOSED_PIPE
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        code = int(args.func(args) or 0)
-        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
-        return code
+        return int(args.func(args) or 0)
     except PoslabError as err:
         _error(str(err))
         return 2
-    except BrokenPipeError:  # the reader of stdout left (`poslab ... | head`): stop quietly, as Unix tools do
-        _drop_stdout()
-        return 141  # 128 + SIGPIPE, what a shell reports for a tool the closed pipe stopped
     except OSError as err:  # unreadable input, unwritable output: the user's to fix
+        if isinstance(err, BrokenPipeError) and _stdout_closed():
+            # The reader of stdout left (`poslab ... | head`): stop quietly, as Unix tools do.
+            _drop_stdout()
+            return CLOSED_PIPE
         _error(f"{err.strerror or err}: {err.filename or ''}".rstrip(": "))
         return 2
     except (MemoryError, torch.cuda.OutOfMemoryError) as err:  # numpy's and CUDA's: sizes it cannot hold
@@ -70,10 +82,31 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _stdout_fd() -> int | None:
+    try:
+        return sys.stdout.fileno()
+    except (AttributeError, ValueError, io.UnsupportedOperation):  # replaced by a stream without a file
+        return None
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader left, rather than another pipe (a worker's, a socket) breaking."""
+    fd = _stdout_fd()
+    if fd is None:
+        return False
+    poll = select.poll()
+    poll.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poll.poll(0))
+
+
 def _drop_stdout() -> None:
     """Point stdout at /dev/null: Python flushes it once more at exit, which would fail on the closed pipe."""
+    fd = _stdout_fd()
+    if fd is None:
+        return
     devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def _out_of_memory(err: BaseException) -> None:

@@ -75,6 +75,8 @@ def tried_notes(result_claims: list[Claim], tried: dict[str, str]) -> list[str]:
 
 
 def _round(value: Any) -> Any:
-    if isinstance(value, float):
-        return round(value, 4)
+    """6 significant digits: enough that values the rule told apart stay apart in results.json (the report
+    shows 4 unless more are needed)."""
+    if isinstance(value, float) and math.isfinite(value):
+        return float(f"{value:.6g}")
     return value

@@ -18,13 +18,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("names", nargs="*", metavar="NAME", help="recipe names, or 'all'")
     p.add_argument("--scale", default="quick",
                    help="quick (CPU minutes, the default), paper (GPUs, torchrun) or smoke (seconds: checks that "
-                        "the recipes run, measures nothing)")
+                        "the recipes run; its numbers mean nothing)")
     p.add_argument("--out", default="runs/reproduce", type=path_argument,
                    help="output directory (default runs/reproduce); it holds the results of one --scale")
     p.add_argument("--force", action="store_true",
                    help="redo recipes that already finished in --out (at the same --scale)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: 1 at quick scale, where the models are too small for "
+                   help="torch CPU threads (default: 1 at quick and smoke scale, where the models are too small for "
                         "intra-op parallelism to pay; torch's default otherwise)")
     p.add_argument("--jobs", type=int, default=None,
                    help="models trained side by side, each in its own process (default: one per CPU at quick and "
@@ -66,9 +66,9 @@ def run(args: argparse.Namespace) -> int:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     jobs = args.jobs if args.jobs is not None else cpus if small and not torch.cuda.is_available() else 1
     device = analysis_device(args.analysis_device)
-    if scale == "paper" and not torch.cuda.is_available():
+    if scale == "paper" and not torch.cuda.is_available() and int(os.environ.get("RANK", "0")) == 0:
         print(f"poslab: warning: --scale paper on a machine without CUDA: its trainings take GPU-days (see "
-              f"'poslab reproduce {' '.join(args.names)} --scale paper --plan')", file=sys.stderr)
+              f"'poslab reproduce {' '.join(args.names)} --scale paper --plan --out {args.out}')", file=sys.stderr)
     data = reproduce(names, scale, args.out, force=args.force, jobs=jobs, device=device)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun the other ranks trained but did not measure
         held = sum(c["held"] for r in data["recipes"].values() for c in r["claims"])

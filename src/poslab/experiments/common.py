@@ -30,15 +30,18 @@ def rel(path: Path | str, recipe_dir: Path) -> str:
 
 def finished(cfg: RunConfig, out: Path) -> dict[str, Any] | None:
     """The final metrics of a run in ``out`` that trained all of ``cfg``'s steps, else None. A run trained
-    under other settings is refused (PoslabError): reused, its numbers would be reported as this config's."""
+    under other settings, finished or not, is refused (PoslabError): reused, its numbers would be reported as
+    this config's; resumed, it would go on under a schedule it did not start with (or fail to: a recipe that
+    now trains fewer steps than the run has)."""
+    if (out / "config.yaml").exists():
+        difference = trained_otherwise(cfg, out)
+        if difference is not None:
+            raise PoslabError(f"{out} was trained with other settings ({difference}) than this version of the "
+                              "recipe uses; delete it to train it again, or reproduce into another --out")
     final = out / FINAL
     if final.exists():
         metrics = json.loads(final.read_text())
         if metrics.get("step") == cfg.train.steps:
-            difference = trained_otherwise(cfg, out)
-            if difference is not None:
-                raise PoslabError(f"{out} was trained with other settings ({difference}) than this version of the "
-                                  "recipe uses; delete it to train it again, or reproduce into another --out")
             return metrics
     return None
 
@@ -141,10 +144,10 @@ def worker_pool(workers: int) -> ProcessPoolExecutor:
                                initializer=_exit_with_parent, initargs=(os.getpid(),))
 
 
-def _exit_with_parent(parent: int, every: float = 0.5) -> None:
+def _exit_with_parent(parent: int) -> None:
     def watch() -> None:
         while os.getppid() == parent:  # an orphan is adopted by init (or a subreaper): another parent
-            time.sleep(every)
+            time.sleep(0.5)
         os._exit(1)  # at once: what the worker was writing is a checkpoint in progress, which resume handles
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 

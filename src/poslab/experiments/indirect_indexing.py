@@ -28,7 +28,7 @@ SCALES = {
     # (~2.5 CPU-min a model), from the search in benchmarks/quick_search/FINDINGS.md. At this size RoPE, too,
     # learns the task in some seeds (with shifts +-2 and 8 heads it did in all three), so the outcome of one
     # seed is a late jump or not: 3 seeds, and the report shows each. 2,500 steps separate the schemes more
-    # than 3,000 did (over seeds 0-5: PoPE 92.9% vs RoPE 62.4% mean, against 93.4% vs 76.5%): RoPE's jump
+    # than 3,000 did (over seeds 0-5: PoPE 92.8% vs RoPE 62.4% mean, against 93.4% vs 76.5%): RoPE's jump
     # comes later than PoPE's.
     "quick": {"task": {"alphabet_size": 8, "min_len": 5, "max_len": 8, "min_shift": -3, "max_shift": 3},
               "model": {"d_model": 64, "n_layers": 2, "n_heads": 8},

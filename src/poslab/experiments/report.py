@@ -1,7 +1,11 @@
 """report.md from results.json: per recipe, the claims table (paper, ours, held), tables, figures."""
 from __future__ import annotations
 
+import math
+import re
 from typing import Any
+
+NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")  # the bounds in a claim's rule
 
 
 def _fmt(value: Any, digits: int = 4) -> str:
@@ -18,12 +22,22 @@ def _fmt(value: Any, digits: int = 4) -> str:
 
 def _distinct_digits(values: list[Any]) -> int:
     """Significant digits (4 or more) that keep the different numbers of one cell apart: a claim comparing
-    1.0003 with 1.0002 read "1" against "1"."""
-    numbers = {v for v in values if isinstance(v, float)}
-    digits = 4
-    while digits < 12 and len({f"{v:.{digits}g}" for v in numbers}) < len(numbers):
-        digits += 1
-    return digits
+    1.0003 with 1.0002 read "1" against "1". Numbers that 8 digits do not tell apart get the usual 4."""
+    numbers = {v for v in values if isinstance(v, float) and math.isfinite(v)}
+    for digits in range(4, 9):
+        if len({f"{v:.{digits}g}" for v in numbers}) == len(numbers):
+            return digits
+    return 4
+
+
+def _ours(claim: dict[str, Any]) -> str:
+    """A claim's result; a single number keeps apart from the bounds its rule names ("ours <= 1.1" failed by
+    1.1004 read "1.1")."""
+    ours = claim["ours"]
+    if isinstance(ours, float):
+        bounds = [float(n) for n in NUMBER.findall(claim["rule"])]
+        return _fmt(ours, _distinct_digits([ours, *bounds]))
+    return _fmt(ours)
 
 
 def _table(columns: list[str], rows: list[list[Any]]) -> list[str]:
@@ -36,7 +50,7 @@ def summary_rows(data: dict[str, Any]) -> list[list[Any]]:
     rows = []
     for name, rec in data["recipes"].items():
         for claim in rec["claims"]:
-            rows.append([name, claim["claim"], claim["paper"], claim["ours"],
+            rows.append([name, claim["claim"], claim["paper"], _ours(claim),
                          "yes" if claim["held"] else "**no**"])
     return rows
 
@@ -78,7 +92,7 @@ def render_report(data: dict[str, Any]) -> str:
     for name, rec in data["recipes"].items():
         lines += ["", f"## {name} ({rec['seconds']:.0f} s)", ""]
         lines += _table(["claim", "paper", "ours", "rule", "held"],
-                        [[c["claim"], c["paper"], c["ours"], c["rule"], "yes" if c["held"] else "**no**"]
+                        [[c["claim"], c["paper"], _ours(c), c["rule"], "yes" if c["held"] else "**no**"]
                          for c in rec["claims"]])
         for table in rec.get("tables", []):
             lines += ["", f"**{table['title']}**", "", *_table(table["columns"], table["rows"])]

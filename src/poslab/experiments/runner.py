@@ -182,21 +182,28 @@ def check_out_scale(out: Path, scale: str, recipes: dict[str, dict[str, Any]]) -
     except (OSError, ValueError, AttributeError):  # none yet (or damaged): the finished results decide
         return
     if marked in SCALES and marked != scale:
-        raise PoslabError(f"{out} holds {marked}-scale trainings (see {out / SCALE_FILE}); one --out holds one "
-                          f"scale, so choose another --out for --scale {scale}")
+        raise PoslabError(f"{out} holds {marked}-scale trainings, none finished (see {out / SCALE_FILE}); one --out "
+                          f"holds one scale, so choose another --out for --scale {scale}, or delete {out} to start "
+                          "it over")
+
+
+def _mark_scale(out: Path, scale: str) -> None:
+    """Name the scale of the trainings about to start in a fresh ``out``. Not in a directory that recipes
+    wrote before the marker existed: what it holds is unknown, and a wrong marker would lock it."""
+    if _is_main() and not (out / SCALE_FILE).exists() and not any((out / name).exists() for name in RECIPES):
+        write_json(out / SCALE_FILE, {"scale": scale})
 
 
 def _run_recipes(names: list[str], scale: str, out: Path, force: bool, log: Callable[[str], None],
                  jobs: int, device: str) -> dict[str, Any]:
     recipes = load_finished(out, log)
     check_out_scale(out, scale, recipes)
-    if _is_main():
-        write_json(out / SCALE_FILE, {"scale": scale})
     for name in names:
         finished = None if force else recipes.get(name)
         if finished is not None:
             log(f"[{name}] already finished ({finished['seconds']:.0f} s); skipping (use --force to redo)")
             continue
+        _mark_scale(out, scale)
         log(f"[{name}] running at {scale} scale: {RECIPES[name][1]}")
         module_name, fn = RECIPES[name][0].split(":")
         module = importlib.import_module(module_name)

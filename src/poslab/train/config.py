@@ -184,8 +184,8 @@ class RunConfig:
 def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     """Read a YAML run config, apply ``key.path=value`` overrides, validate."""
     raw = read_yaml(path)
-    require(raw is not None or bool(overrides), f"{path} is empty: a run config holds seed, model, data and train "
-                                                "(examples: src/poslab/configs/tasks/*.yaml)")
+    require(raw not in (None, {}) or bool(overrides), f"{path} is empty: a run config holds seed, model, data and "
+                                                      "train (examples: src/poslab/configs/tasks/*.yaml)")
     raw = {} if raw is None else raw
     require(isinstance(raw, dict), f"{path} must hold a mapping of seed/model/data/train, got {type(raw).__name__}")
     for item in overrides:
