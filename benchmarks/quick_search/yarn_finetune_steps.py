@@ -38,7 +38,7 @@ def main() -> None:
     pope = losses(a.recipe / "runs" / "pope", lengths, scale["sequences"], data)
     top = lengths[-1]
     print("steps | " + " | ".join(f"{length // scale['seq_len']}x" for length in lengths) + " | PoPE lower at top")
-    print(f"pope | " + " | ".join(f"{pope[length]:.4f}" for length in lengths) + " |")
+    print("pope | " + " | ".join(f"{pope[length]:.4f}" for length in lengths) + " |")
     for steps in a.steps:
         config = extrapolation.finetune_config({**scale, "finetune": {**scale["finetune"], "steps": steps}},
                                                a.recipe)
