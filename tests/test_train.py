@@ -550,6 +550,19 @@ def test_cli_errors_are_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     assert poslab.cli.main(["train", str(path), "--out", str(tmp_path / "ok")]) == 0
 
 
+def test_an_output_that_cannot_be_created_is_refused_before_any_work(tmp_path, capsys):
+    """It failed only when first written: `data prepare` after training its tokenizer, naming a temporary
+    file; `train` with a bare "No such file or directory"."""
+    path = write_config(tmp_path / "c.yaml", tiny_config(steps=1))
+    under_a_file = tmp_path / "c.yaml" / "run"
+    for command in ("train", "data prepare"):
+        assert poslab.cli.main([*command.split(), str(path), "--out", str(under_a_file)]) == 2
+        assert capsys.readouterr().err == (
+            f"poslab: error: poslab {command}: argument --out: cannot create {under_a_file} ({path}: Not a directory); "
+            f"choose another directory (see 'poslab {command} --help')\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]
+
+
 def test_an_empty_config_says_so(tmp_path, capsys):
     """It said "a task source needs the task's name (data.name)", the first default that failed."""
     for text in ("# nothing yet\n", "{}\n"):

@@ -7,6 +7,8 @@ Bad input is one line saying what is wrong: a ConfigError from ``read_yaml``, an
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -43,4 +45,21 @@ def path_argument(text: str) -> str:
     directory (an output written there, a run looked for there)."""
     if not text:
         raise argparse.ArgumentTypeError("the path is empty (it would mean the current directory); give one")
+    return text
+
+
+def output_argument(text: str) -> str:
+    """argparse ``type`` of a directory a command will create: ``path_argument``, and refused at once where no
+    directory can be made (a read-only or virtual file system, a file on the way). It used to fail only when
+    written, after the work (``data prepare`` trained its tokenizer first), naming a temporary file. A directory
+    made and removed again is the probe: ``os.access`` says yes to root where a write then fails."""
+    path = Path(path_argument(text)).absolute()
+    ancestor = path if path.is_dir() else path.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".poslab-probe-", dir=ancestor))
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"cannot create {text} ({ancestor}: {err.strerror}); choose another "
+                                         "directory") from None
     return text

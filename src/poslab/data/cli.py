@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from poslab.arguments import path_argument, read_yaml
+from poslab.arguments import output_argument, read_yaml
 from poslab.data.config import DataConfig
 from poslab.data.preparation import prepare
 from poslab.errors import ConfigError
@@ -24,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                         "and structure labels, the tokenizer and manifest.json. DIR appears "
                                         "only when complete.")
     p.add_argument("config", help="YAML data config (or a run config with a 'data' section)")
-    p.add_argument("--out", required=True, type=path_argument, help="directory to create")
+    p.add_argument("--out", required=True, type=output_argument, help="directory to create")
     p.add_argument("--force", action="store_true",
                    help="replace DIR if it is a prepared data directory (after the new one is complete)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

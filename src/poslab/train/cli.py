@@ -9,7 +9,7 @@ import json
 import math
 import os
 
-from poslab.arguments import path_argument
+from poslab.arguments import output_argument
 from poslab.train import load_config, train
 
 
@@ -18,7 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description="Train a model from a YAML run config and write a run directory "
                                           "(config.yaml, metrics.jsonl, checkpoints/last and best).")
     p.add_argument("config", help="run config YAML (seed, model, data, train)")
-    p.add_argument("--out", required=True, type=path_argument, help="run directory to create")
+    p.add_argument("--out", required=True, type=output_argument, help="run directory to create")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="continue the run in --out from checkpoints/last")
     mode.add_argument("--overwrite", action="store_true", help="delete the run in --out and start again")
