@@ -92,7 +92,7 @@ def _stdout_fd() -> int | None:
 def _stdout_closed() -> bool:
     """Whether stdout is a pipe whose reader left, rather than another pipe (a worker's, a socket) breaking."""
     fd = _stdout_fd()
-    if fd is None:
+    if fd is None or not hasattr(select, "poll"):  # Windows has no poll: report the error rather than guess
         return False
     poll = select.poll()
     poll.register(fd, select.POLLOUT)
