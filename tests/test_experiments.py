@@ -76,6 +76,25 @@ def test_runner_writes_results_and_report_and_resumes(tmp_path, fake_recipes):
     assert data["recipes"]["one"]["claims"][1]["held"] is False
 
 
+def test_results_keep_the_date_and_machine_of_their_runs(tmp_path, fake_recipes, monkeypatch):
+    """A rerun that only skipped finished recipes stamped results.json (and the README line rendered from it)
+    with its own date and load average, as if it had measured something."""
+    monkeypatch.setattr(runner, "_now", lambda: "2026-01-01 10:00 UTC")
+    runner.reproduce(["all"], "smoke", tmp_path, log=lambda _: None)
+    first = json.loads((tmp_path / "results.json").read_text())
+    assert first["date"] == "2026-01-01 10:00 UTC" and first["recipes"]["one"]["date"] == first["date"]
+    monkeypatch.setattr(runner, "_now", lambda: "2026-02-02 10:00 UTC")
+    elsewhere = {**runner.machine(), "cpus": 999}
+    monkeypatch.setattr(runner, "machine", lambda jobs=1: elsewhere)
+    runner.reproduce(["all"], "smoke", tmp_path, log=lambda _: None)
+    assert json.loads((tmp_path / "results.json").read_text()) == first
+    runner.reproduce(["two"], "smoke", tmp_path, force=True, log=lambda _: None)  # redone now, on this machine
+    again = json.loads((tmp_path / "results.json").read_text())
+    assert again["date"] == "2026-02-02 10:00 UTC" and again["machine"] == elsewhere
+    assert again["recipes"]["one"]["date"] == "2026-01-01 10:00 UTC"
+    assert "## one (0 s, 2026-01-01 10:00 UTC)" in (tmp_path / "report.md").read_text()
+
+
 def test_another_scale_is_refused_and_keeps_the_results(tmp_path, fake_recipes):
     """The smoke results stay (a quick run discarded them from results.json and report.md), --force or not."""
     runner.reproduce(["all"], "smoke", tmp_path, log=lambda _: None)

@@ -90,7 +90,8 @@ def render_report(data: dict[str, Any]) -> str:
         *summary_table(data),
     ]
     for name, rec in data["recipes"].items():
-        lines += ["", f"## {name} ({rec['seconds']:.0f} s)", ""]
+        when = f", {rec['date']}" if isinstance(rec.get("date"), str) else ""
+        lines += ["", f"## {name} ({rec['seconds']:.0f} s{when})", ""]
         lines += _table(["claim", "paper", "ours", "rule", "held"],
                         [[c["claim"], c["paper"], _ours(c), c["rule"], "yes" if c["held"] else "**no**"]
                          for c in rec["claims"]])

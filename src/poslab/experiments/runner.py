@@ -213,7 +213,8 @@ def _run_recipes(names: list[str], scale: str, out: Path, force: bool, log: Call
         start = time.perf_counter()
         result: RecipeResult = getattr(module, fn)(scale, out / name, log, jobs, device)
         result.seconds = time.perf_counter() - start
-        recipes[name] = result.to_dict()
+        # When and where it ran, kept with it: results.json, rebuilt by later runs, reports these, not theirs.
+        recipes[name] = {**result.to_dict(), "date": _now(), "machine": machine(jobs)}
         write_json(out / name / "result.json", recipes[name])
         held = sum(c.held for c in result.claims)
         log(f"[{name}] done in {result.seconds:.0f} s: {held}/{len(result.claims)} claims held")
@@ -221,6 +222,10 @@ def _run_recipes(names: list[str], scale: str, out: Path, force: bool, log: Call
     if _is_main():
         _write_all(out, scale, recipes, jobs)
     return recipes
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
 
 
 def _is_main() -> bool:
@@ -231,8 +236,11 @@ def _write_all(out: Path, scale: str, recipes: dict[str, Any], jobs: int) -> Non
     from poslab.experiments.report import render_report
 
     order = [n for n in RECIPES if n in recipes]
-    data = {"recipes": {n: recipes[n] for n in order}, "scale": scale, "machine": machine(jobs),
-            "seconds": round(sum(recipes[n]["seconds"] for n in order), 1),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    # The date and machine of the recipe that finished last; a result from before recipes kept theirs has none.
+    dated = [recipes[n] for n in order if isinstance(recipes[n].get("date"), str)]
+    last = max(dated, key=lambda r: r["date"]) if dated else {}
+    data = {"recipes": {n: recipes[n] for n in order}, "scale": scale,
+            "machine": last["machine"] if isinstance(last.get("machine"), dict) else machine(jobs),
+            "seconds": round(sum(recipes[n]["seconds"] for n in order), 1), "date": last.get("date", _now())}
     write_json(out / "results.json", data)
     atomic_write_text(out / "report.md", render_report(data))
