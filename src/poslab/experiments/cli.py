@@ -40,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from poslab.experiments.runner import RECIPES, check_out_scale, check_scale, load_finished, reproduce, resolve
+    from poslab.experiments.runner import RECIPES, check_scale, finished_at_scale, reproduce, resolve
 
     if args.list:
         for name, (_, description) in RECIPES.items():
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plan:
         from poslab.experiments.plan import plan, render
 
-        check_out_scale(Path(args.out), scale, load_finished(Path(args.out), lambda _: None))
+        finished_at_scale(Path(args.out), scale, lambda _: None)  # refused here as the run would refuse it
         print(render(plan(names, scale, args.out), scale))
         return 0
     small = scale in ("quick", "smoke")

@@ -21,7 +21,6 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from poslab.errors import PoslabError
 from poslab.experiments.common import finished, saved_step, trained_otherwise
 from poslab.experiments.runner import RECIPES
 from poslab.models import build_model
@@ -99,12 +98,11 @@ def _count(model_json: str, sequence: int) -> tuple[int, float]:
 
 def _progress(cfg: RunConfig, run_dir: Path, flops: float) -> dict[str, Any]:
     """The status and the FLOPs still to train of a run that would train ``flops`` from scratch."""
-    try:
-        if finished(cfg, run_dir) is not None:
-            return {"status": "done", "left": 0.0}
-    except PoslabError:
-        return {"status": f"trained with other settings ({trained_otherwise(cfg, run_dir)}): delete it or use "
-                          "another --out", "left": flops}
+    difference = trained_otherwise(cfg, run_dir) if (run_dir / "config.yaml").exists() else None
+    if difference is not None:  # what finished() and the run would refuse
+        return {"status": f"trained with other settings ({difference}): delete it or use another --out", "left": flops}
+    if finished(cfg, run_dir) is not None:
+        return {"status": "done", "left": 0.0}
     step = saved_step(run_dir, log=lambda _: None)
     if step:
         return {"status": f"step {step:,} of {cfg.train.steps:,}", "left": flops * (1 - step / cfg.train.steps)}

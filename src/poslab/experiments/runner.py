@@ -170,9 +170,10 @@ def reproduce(names: list[str], scale: str, out: str | Path, force: bool = False
     return {"recipes": recipes, "scale": scale}
 
 
-def check_out_scale(out: Path, scale: str, recipes: dict[str, dict[str, Any]]) -> None:
-    """Refuse ``scale`` where ``out`` holds another scale's finished ``recipes`` or, before any finished,
-    its trainings (named by DIR/scale.json)."""
+def finished_at_scale(out: Path, scale: str, log: Callable[[str], None]) -> dict[str, dict[str, Any]]:
+    """``load_finished``, refusing ``scale`` where ``out`` holds another scale's finished recipes or, before
+    any finished, its trainings (named by DIR/scale.json)."""
+    recipes = load_finished(out, log)
     other = sorted({result["scale"] for result in recipes.values()} - {scale})
     if other:
         raise PoslabError(f"{out} holds {' and '.join(other)}-scale results; one --out holds one scale, so choose "
@@ -180,11 +181,12 @@ def check_out_scale(out: Path, scale: str, recipes: dict[str, dict[str, Any]]) -
     try:
         marked = json.loads((out / SCALE_FILE).read_text()).get("scale")
     except (OSError, ValueError, AttributeError):  # none yet (or damaged): the finished results decide
-        return
+        marked = None
     if marked in SCALES and marked != scale:
         raise PoslabError(f"{out} holds {marked}-scale trainings, none finished (see {out / SCALE_FILE}); one --out "
                           f"holds one scale, so choose another --out for --scale {scale}, or delete {out} to start "
                           "it over")
+    return recipes
 
 
 def _mark_scale(out: Path, scale: str) -> None:
@@ -196,8 +198,7 @@ def _mark_scale(out: Path, scale: str) -> None:
 
 def _run_recipes(names: list[str], scale: str, out: Path, force: bool, log: Callable[[str], None],
                  jobs: int, device: str) -> dict[str, Any]:
-    recipes = load_finished(out, log)
-    check_out_scale(out, scale, recipes)
+    recipes = finished_at_scale(out, scale, log)
     for name in names:
         finished = None if force else recipes.get(name)
         if finished is not None:
