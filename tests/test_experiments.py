@@ -354,6 +354,19 @@ def test_paper_scale_trainings_are_valid_configs(name, tmp_path):
             assert DataConfig.from_options(data).source["type"] == "hf"  # a corpus by name, streamed
 
 
+def test_paper_scale_language_models_read_their_corpus_once(tmp_path):
+    """The extrapolation models once read 52B tokens from a 4B-token preparation, 13 passes nobody chose. They
+    now prepare the whole FineWeb 10B-token sample and read at most that many tokens, as llm.c's GPT-2 runs."""
+    from poslab.experiments import extrapolation
+
+    for config, _ in extrapolation.runs("paper", tmp_path).values():
+        source, train = config["data"]["source"], config["train"]
+        if train.get("init_from"):
+            continue  # the YaRN fine-tune: 500 steps, 0.26B tokens
+        assert (source["config_name"], source["max_documents"]) == ("sample-10BT", None)
+        assert 9e9 < train["steps"] * train["batch_size"] * config["data"]["seq_len"] <= 10e9
+
+
 @pytest.mark.parametrize("recipe", ["extrapolation", "dstg"])
 def test_quick_tokenizers_keep_every_word_whole(recipe, tmp_path):
     """A full vocabulary leaves the last, tied merges to the trainer's per-process hash order: at a
