@@ -261,6 +261,20 @@ def test_resume_continues_bitwise(tmp_path, monkeypatch):
     assert all(torch.equal(model.state_dict()[k], v) for k, v in a.items())
 
 
+def test_a_resume_trains_with_its_own_optimizer_settings(tmp_path):
+    """The checkpoint gives the AdamW moments and the schedule's position; lr, min_lr, weight decay, betas
+    and eps are the resumed config's (the one config.yaml then records), as on a run started with them."""
+    train(RunConfig.from_dict(tiny_config(steps=2, checkpoint_every=1)), tmp_path / "run")
+    changed = {"steps": 6, "lr": 1e-3, "min_lr": 1e-4, "weight_decay": 0.0, "betas": [0.8, 0.9], "eps": 1e-6}
+    train(RunConfig.from_dict(tiny_config(**changed)), tmp_path / "run", resume=True)
+    cfg = RunConfig.from_dict(tiny_config(**changed)).train
+    lrs = [r["lr"] for r in map(json.loads, (tmp_path / "run/metrics.jsonl").read_text().splitlines()) if "lr" in r]
+    assert lrs[2:] == [cfg.lr * lr_factor(cfg)(t) for t in range(2, 6)]
+    groups = torch.load(tmp_path / "run/checkpoints/last/optimizer.pt", weights_only=True)["param_groups"]
+    assert [(g["weight_decay"], tuple(g["betas"]), g["eps"], g["initial_lr"]) for g in groups] == \
+           [(0.0, (0.8, 0.9), 1e-6, 1e-3)] * 2
+
+
 @pytest.mark.parametrize("kind", ["decoder", "sparse masked LM"])
 def test_gradient_accumulation_matches_one_big_batch(kind, tmp_path):
     """Micro-batches hold different numbers of labelled tokens (masked LM: some may hold none)."""

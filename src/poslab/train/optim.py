@@ -57,5 +57,9 @@ def lr_factor(cfg: TrainConfig) -> Callable[[int], float]:
     return factor
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg))
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig,
+                    done: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+    """The schedule of ``cfg``, positioned for step ``done`` (the updates a resumed run has made)."""
+    for group in optimizer.param_groups:
+        group["initial_lr"] = cfg.lr  # a resumed optimizer's groups hold the lr of the run that saved them
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg), last_epoch=done - 1)

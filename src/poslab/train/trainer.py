@@ -168,16 +168,16 @@ class Trainer:
             model.compile()
         self.model = parallel.wrap(model, cfg.fsdp)
         self.optimizer = build_optimizer(self.model, cfg, self.device)
-        self.scheduler = build_scheduler(self.optimizer, cfg)
 
-        self.step, self.best, self.last_loss = 0, None, math.nan
+        self.step, self.best, self.last_loss, done = 0, None, math.nan, 0
         if last is not None:
             optimizer_state, scheduler_state, rng_states = ckpt.load_states(last)
-            set_optimizer_state_dict(self.model, self.optimizer, optimizer_state, options=FULL_STATE)
-            self.scheduler.load_state_dict(scheduler_state)
+            _load_moments(self.model, self.optimizer, optimizer_state)
+            done = scheduler_state["last_epoch"]
             if parallel.rank < len(rng_states):  # a resume on more ranks keeps the fresh per-rank seeds
                 ckpt.set_rng_state(rng_states[parallel.rank])
             self.step, self.best, self.last_loss = state["step"], state["best"], state["last_loss"]
+        self.scheduler = build_scheduler(self.optimizer, cfg, done)
         if resume and _exists(self.out / CHECKPOINTS / "best"):  # best may be newer than last: trust its record
             with contextlib.suppress(CheckpointError):
                 self.best = ckpt.load_trainer_state(ckpt.resolve(self.out / CHECKPOINTS / "best",
@@ -426,6 +426,15 @@ def model_sizes(model_config: Any) -> tuple[int, int, int]:
                       sum(b.numel() * b.element_size() for b in model.buffers())))
     one, two = sizes
     return tuple(a + (model_config.n_layers - 1) * (b - a) for a, b in zip(one, two))
+
+
+def _load_moments(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """AdamW's moments and step counts from a checkpoint, under this config's hyperparameters: loading a state
+    dict also restores the saved run's lr, weight decay, betas and eps, which a resume may have changed (and
+    config.yaml then records)."""
+    groups = [{**{k: v for k, v in own.items() if k != "params"}, "params": saved["params"]}
+              for own, saved in zip(optimizer.param_groups, state["param_groups"], strict=True)]
+    set_optimizer_state_dict(model, optimizer, {**state, "param_groups": groups}, options=FULL_STATE)
 
 
 def _init_point(path: Path) -> Path:
