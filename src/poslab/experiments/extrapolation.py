@@ -56,8 +56,9 @@ SCALES = {
               "model": {"d_model": 768, "n_layers": 12, "n_heads": 12, "tie_embeddings": True},
               # The paper gives no token budget. This is llm.c's GPT-2 (124M) run on the same FineWeb sample
               # (scripts/run_gpt2_124M.sh): 18,865 steps of 512 x 1024 tokens, one pass over its ~10B tokens,
-              # lr 6e-4 to 0 after 700 warm-up steps, weight decay 0.1. 8 micro-batches: the fp32 logits of
-              # the whole batch alone would take 98 GiB; 8 GPUs under torchrun each take 8 sequences of each.
+              # lr 6e-4 to 0 after 700 warm-up steps, weight decay 0.1 (llm.c decays every matrix, poslab only
+              # linear weights, never embeddings). 8 micro-batches: the fp32 logits of the whole batch alone
+              # would take 98 GiB; 8 GPUs under torchrun each take 8 sequences of each.
               "train": {"steps": 18865, "batch_size": 512, "grad_accum": 8, "lr": 6e-4, "min_lr": 0.0,
                         "warmup_steps": 700, "weight_decay": 0.1, "betas": [0.9, 0.95], "checkpoint_every": 1000},
               # The paper's YaRN: 500 steps at 4096; as many tokens a step as training (128 x 4096).
