@@ -689,3 +689,28 @@ def test_generic_evaluation_is_loss_and_accuracy_on_labelled_tokens(arch):
     assert metrics["loss"] == pytest.approx(expected.item(), rel=1e-5)
     assert metrics["token_accuracy"] == pytest.approx(float((logits.argmax(-1)[keep] == labels[keep]).float().mean()))
     assert metrics["tokens"] == int(keep.sum()) and model.training
+
+
+def test_tensorboard_forgets_the_steps_a_resume_redoes(tmp_path, monkeypatch):
+    """metrics.jsonl is cut back to the checkpoint a crashed run resumes from; TensorBoard's curves must drop
+    the abandoned steps too, or they show two values at each redone step."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config = RunConfig.from_dict(tiny_config(steps=6, checkpoint_every=2))
+    real_step = trainer_module.Trainer._train_step
+
+    def crash_after_step_3(self, step):
+        if step == 3:
+            raise KeyboardInterrupt  # step 3 was logged after the step-2 checkpoint, then lost
+        return real_step(self, step)
+
+    monkeypatch.setattr(trainer_module.Trainer, "_train_step", crash_after_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        train(config, tmp_path / "run")
+    monkeypatch.undo()
+    train(config, tmp_path / "run", resume=True)
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    steps = [e.step for e in events.Scalars("train/loss")]
+    assert steps == sorted(set(steps)) == list(range(1, 7))

@@ -49,7 +49,7 @@ class Monitor:
         self.stream = stream or sys.stderr
         self.started = time.perf_counter()
         self.metrics = open(out_dir / METRICS_FILE, "a", buffering=1)
-        self.tensorboard = _tensorboard(out_dir / "tensorboard")
+        self.tensorboard = _tensorboard(out_dir / "tensorboard", start_step)
         self.progress = None
         if self.stream.isatty():
             self.progress = Progress(
@@ -106,12 +106,14 @@ class Monitor:
         return f"{hours}:{minutes:02d}:{seconds:02d}"
 
 
-def _tensorboard(path: Path):
+def _tensorboard(path: Path, start_step: int):
     try:  # optional: TensorBoard is not a dependency
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         return None
-    return SummaryWriter(str(path))
+    # A resumed run redoes the steps after its checkpoint: hide what a crashed run logged for them, as
+    # metrics.jsonl is cut back.
+    return SummaryWriter(str(path), purge_step=start_step + 1 if start_step else None)
 
 
 def _fmt(value: float) -> str:
