@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -377,6 +378,32 @@ def test_on_the_fly_preparation_is_cached(tmp_path):
     second = build_lm_source(1, **options)  # same preparation settings: same cache entry, not prepared again
     assert os.stat(entries[0] / "manifest.json").st_mtime_ns == stamp and list(tmp_path.iterdir()) == entries
     assert first.vocab_size == second.vocab_size
+
+
+def test_concurrent_preparers_keep_the_first_copy(tmp_path, monkeypatch):
+    """torchrun ranks building one source prepare the same cache entry at once. The first copy renamed
+    into place is the one every rank reads: a later preparer must discard its own copy, never swap the
+    first one out from under a rank already reading it (its tokenizer may number tokens differently)."""
+    import poslab.data.preparation as preparation
+
+    options = {"source": {**SYNTH, "documents": 20}, "tokenizer": TOKENIZER, "cache_dir": str(tmp_path)}
+    config = DataConfig.from_options(options)
+    path = tmp_path / preparation.prepare_key(config)
+    target, write = [path], preparation._write
+
+    def another_rank_finishes_first(config, root, log, evaluation_only=False):
+        manifest = write(config, root, log, evaluation_only)
+        shutil.copytree(root, target[0])  # the other rank's copy, renamed in while this one was writing
+        (target[0] / "first").write_text("")
+        return manifest
+
+    monkeypatch.setattr(preparation, "_write", another_rank_finishes_first)
+    assert preparation.ensure_prepared(config) == path
+    assert (path / "first").is_file() and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+    target[0] = tmp_path / "out"
+    with pytest.raises(DataError, match="appeared while"):
+        prepare(config, tmp_path / "out")
+    assert (tmp_path / "out" / "first").is_file() and _siblings(tmp_path / "out") == [path.name, "out"]
 
 
 # -- command line ------------------------------------------------------------------------------------------

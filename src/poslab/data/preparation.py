@@ -278,16 +278,29 @@ def prepare(config: DataConfig, out: str | Path, *, force: bool = False,
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         manifest = _write(config, tmp, log, evaluation_only)
-        if out.exists():
+        if force and out.exists():
             old = out.parent / f".{out.name}.old-{secrets.token_hex(4)}"
             out.rename(old)
             tmp.rename(out)
             shutil.rmtree(old, ignore_errors=True)
         else:
-            tmp.rename(out)
+            _rename_new(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return manifest
+
+
+def _rename_new(tmp: Path, out: Path) -> None:
+    """Rename ``tmp`` to ``out``, which did not exist when preparation began. Should a concurrent preparer
+    (every torchrun rank builds its source) have renamed its copy in meanwhile, that first copy stays:
+    ranks may already be reading it, and a tokenizer trained in another process can number tokens
+    differently, so replacing it would leave ranks reading different data."""
+    try:
+        tmp.rename(out)  # atomic; fails onto a non-empty directory (POSIX) or any existing path (Windows)
+    except OSError:
+        if not out.exists():
+            raise
+        raise DataError(f"{out} appeared while preparing (another process prepared it); kept that one") from None
 
 
 def _replaceable(out: Path) -> bool:
