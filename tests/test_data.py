@@ -339,6 +339,9 @@ def test_force_replaces_only_an_empty_or_prepared_directory(tmp_path):
     ({"seq_len": 16.0}, "seq_len must be an integer, got 16.0"),
     ({"prefetch": "yes"}, "prefetch must be true or false, got 'yes'"),
     ({"cache_dir": 3}, "cache_dir must be a string or null, got 3"),
+    # A trained WordPiece encodes any unseen character as unk: without one, preparation died with a traceback
+    # at the first such character, possibly hours in.
+    ({"tokenizer": {"special_tokens": {"unk": None}}}, "a trained wordpiece tokenizer needs an unk token"),
 ])
 def test_config_errors(options, message):
     with pytest.raises(ConfigError, match=message):

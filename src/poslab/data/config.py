@@ -72,6 +72,10 @@ class TokenizerConfig:
             if role not in SPECIAL_ROLES:
                 raise ConfigError(unknown_key_message("special-token role", str(role), SPECIAL_ROLES))
         self.special_tokens = {**BERT_SPECIAL_TOKENS, **self.special_tokens}  # roles not named keep BERT's
+        # WordPiece encodes every unseen character as unk; byte-level BPE never needs one.
+        require(self.path is not None or self.type != "wordpiece" or self.special_tokens["unk"] is not None,
+                "a trained wordpiece tokenizer needs an unk token (tokenizer.special_tokens.unk, e.g. '[UNK]'); "
+                "use type: bpe for a tokenizer without one")
 
 
 @dataclass(frozen=True)

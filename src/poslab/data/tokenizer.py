@@ -6,8 +6,8 @@ same object for decoding and for saving next to checkpoints.
 
 Special tokens are named by role (``TokenizerConfig.special_tokens``): cls, sep and pad are always
 needed (sequence start, document separator, padding); mask is needed for masked-LM data and may be set to
-null for causal-LM-only data; unk is optional. A tokenizer whose vocabulary lacks a needed token is
-rejected with the role and token named.
+null for causal-LM-only data; unk is optional (a trained WordPiece needs it). A tokenizer whose
+vocabulary lacks a needed token is rejected with the role and token named.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ TRAINING_VERSION = 2  # bump when trained tokenizers change (2: canonical ids): 
 
 def _wordpiece(cfg: TokenizerConfig, specials: list[str]) -> tuple[Tokenizer, trainers.Trainer]:
     """BERT's layout: BERT normaliser (lower-casing optional), punctuation/whitespace split, ## pieces."""
-    tok = Tokenizer(models.WordPiece(unk_token=cfg.special_tokens.get("unk") or "[UNK]"))
+    tok = Tokenizer(models.WordPiece(unk_token=cfg.special_tokens["unk"]))
     tok.normalizer = normalizers.BertNormalizer(lowercase=cfg.lowercase)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece()
