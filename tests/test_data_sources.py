@@ -164,6 +164,17 @@ def test_jsonl_source(tmp_path):
         list(JsonlSource(paths=str(path)).documents())
 
 
+def test_jsonl_unpaired_surrogates_replaced_and_counted(tmp_path):
+    """JSON can spell text that is not Unicode: an unpaired surrogate escape (an emoji cut in half by a
+    crawler's truncation). It is invalid text like an invalid byte, and the tokenizer cannot encode it
+    (preparation died with a UnicodeEncodeError traceback)."""
+    path = tmp_path / "s.jsonl"
+    path.write_text(json.dumps({"text": "Cut \ud83d here. Whole \ud83d\ude00 pair. Low \udc00 too."}) + "\n")
+    source = JsonlSource(paths=str(path))
+    assert list(source.documents()) == [[["Cut \ufffd here.", "Whole \U0001f600 pair.", "Low \ufffd too."]]]
+    assert source.invalid_utf8 == 2
+
+
 @pytest.mark.parametrize("streaming", [True, False])
 def test_hf_source_on_local_files(tmp_path, streaming):
     """The Hugging Face loader reads a local JSON file through the packaged 'json' builder (no network)."""

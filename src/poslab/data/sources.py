@@ -6,7 +6,8 @@ knows its boundaries exactly. ``documents()`` starts a fresh pass each call (the
 prefix, preparation reads everything) and streams: nothing holds more than one document.
 
 Invalid UTF-8 in files is replaced, one U+FFFD per invalid byte, and counted in ``invalid_utf8`` (the
-count of the latest pass) so that preparation can report it instead of failing or hiding it.
+count of the latest pass) so that preparation can report it instead of failing or hiding it. JSON's
+``\\u`` escapes can spell an unpaired surrogate, which is no text either: each is replaced and counted too.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from poslab.errors import ConfigError, DataError, lookup, require
 
 Document = list[list[str]]
 _ESCAPED = re.compile("[\udc80-\udcff]")  # invalid bytes, as the 'surrogateescape' decoder leaves them
+_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads joins valid pairs: any left is unpaired
 
 
 def _limit(value: Any) -> int | None:
@@ -138,7 +140,9 @@ class JsonlSource:
                     if not isinstance(record, dict) or not isinstance(record.get(field), str):
                         raise DataError(f"{path}:{number}: no string field '{field}'; set text_field to the field "
                                         "holding the text")
-                    yield record[field]
+                    text, bad = _SURROGATE.subn("\ufffd", record[field])
+                    self.invalid_utf8 += bad
+                    yield text
 
     def documents(self) -> Iterator[Document]:
         self.invalid_utf8 = 0
