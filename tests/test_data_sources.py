@@ -184,6 +184,16 @@ def test_hf_source_on_local_files(tmp_path, streaming):
     assert list(source.documents()) == [[[f"Doc {i} here.", f"Second {i}."]] for i in range(3)]
 
 
+@pytest.mark.parametrize("streaming", [True, False])
+def test_hf_source_unreadable_rows_are_one_line(tmp_path, streaming):
+    """A row the loader cannot parse fails while the rows are read (streaming) or inside datasets' own
+    wrapper exception (not streaming): both were tracebacks, not the one-line error of bad input."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"text": "Fine row."}) + "\n" + '{"text": "Cut \\ud83d here."}\n')
+    with pytest.raises(DataError, match="Hugging Face dataset 'json'.*JSON parse error: The surrogate pair"):
+        list(HFSource(name="json", data_files=str(path), streaming=streaming).documents())
+
+
 def test_hf_source_local_directory_and_errors(tmp_path):
     (tmp_path / "ds").mkdir()
     (tmp_path / "ds" / "train.jsonl").write_text(json.dumps({"text": "Hello there. Bye."}) + "\n")

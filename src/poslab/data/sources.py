@@ -178,15 +178,25 @@ class HFSource:
 
     def _texts(self) -> Iterator[str]:
         import datasets
+        from datasets.exceptions import DatasetGenerationError
 
         o = self.opts
+        # A row the loader cannot parse fails inside load_dataset, wrapped, or (streaming) while rows are read.
+        failures = (ValueError, OSError, DatasetGenerationError)
         try:
             ds = datasets.load_dataset(o.name, o.config_name, split=o.split, streaming=o.streaming,
                                        data_files=o.data_files, data_dir=o.data_dir, revision=o.revision)
-        except (FileNotFoundError, ValueError, ConnectionError, OSError) as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise DataError(f"cannot load Hugging Face dataset '{o.name}': {first}") from None
-        for i, row in enumerate(ds):
+        except failures as err:
+            raise DataError(f"cannot load Hugging Face dataset '{o.name}': {_first_line(err)}") from None
+        rows = iter(ds)
+        for i in itertools.count():
+            try:
+                row = next(rows, None)
+            except failures as err:
+                raise DataError(f"cannot read Hugging Face dataset '{o.name}' after row {i}: "
+                                f"{_first_line(err)}") from None
+            if row is None:
+                return
             text = row.get(o.text_field)
             if not isinstance(text, str):
                 raise DataError(f"dataset '{o.name}' row {i}: no string field '{o.text_field}' "
@@ -195,6 +205,17 @@ class HFSource:
 
     def documents(self) -> Iterator[Document]:
         yield from _take(filter(None, map(segment, self._texts())), self.opts.max_documents)
+
+
+def _first_line(err: BaseException) -> str:
+    """The first line of ``err``'s message; of its cause for datasets' wrapper, which only says that
+    generating the dataset failed."""
+    from datasets.exceptions import DatasetGenerationError
+
+    if isinstance(err, DatasetGenerationError) and err.__cause__ is not None:
+        err = err.__cause__
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 class SyntheticSource(SyntheticCorpus):
