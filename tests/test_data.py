@@ -266,6 +266,24 @@ def test_local_tokenizer_directory_and_missing_specials(prepared, tmp_path):
     assert manifest["tokenizer"]["vocab_size"] == 7 and manifest["tokenizer"]["special_ids"]["mask"] == 4
 
 
+def test_local_tokenizer_truncation_and_padding_are_ignored(prepared, tmp_path):
+    """A tokenizer.json may be saved with truncation and padding on (sentence-transformers models ship
+    them): applied to whole documents, they cut each to max_length tokens and wrote [PAD]s into the stream."""
+    tok = load_tokenizer(prepared / "tokenizer")
+    tok.enable_truncation(max_length=8)
+    tok.enable_padding(pad_id=tok.token_to_id("[PAD]"), pad_token="[PAD]")  # to the batch's longest document
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    out = tmp_path / "reuse"
+    prepare(_config(tokenizer={"path": str(tmp_path / "tok")}), out)
+    for split in ("train", "validation"):
+        ours, reference = PreparedCorpus(out).split(split), PreparedCorpus(prepared).split(split)
+        assert ours.n_tokens == reference.n_tokens
+        np.testing.assert_array_equal(ours.tokens(np.arange(ours.n_tokens)),
+                                      reference.tokens(np.arange(reference.n_tokens)))
+    assert json.loads((out / "tokenizer" / "tokenizer.json").read_text())["truncation"] is None
+
+
 # -- bad input ---------------------------------------------------------------------------------------------
 
 

@@ -115,8 +115,15 @@ def _canonical_ids(tok: Tokenizer) -> Tokenizer:
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """A local tokenizer directory (or tokenizer.json file): tokenizers' own format first, else whatever
-    transformers' AutoTokenizer reads offline, as long as it is a fast (Rust-backed) tokenizer."""
-    path = Path(path)
+    transformers' AutoTokenizer reads offline, as long as it is a fast (Rust-backed) tokenizer. Truncation
+    and padding saved with it are turned off: the pipeline encodes whole documents and cuts sequences itself."""
+    tok = _load_tokenizer(Path(path))
+    tok.no_truncation()
+    tok.no_padding()
+    return tok
+
+
+def _load_tokenizer(path: Path) -> Tokenizer:
     if path.is_file():
         return Tokenizer.from_file(str(path))
     if (path / "tokenizer.json").is_file():
