@@ -183,3 +183,22 @@ def test_blocked_gram_equals_the_full_product():
     x = torch.randn(50, 7, dtype=torch.float64)
     for width in (1, 3, 7, 10):
         assert torch.allclose(_gram(x, width), x.T @ x)
+
+
+def test_cli_probe_targets_count_document_indices_from_the_window():
+    # `poslab analyze probes` must probe what the input can tell, as the DSTG recipe does: a window that
+    # starts at a document's sentence 3 (paragraph 1, token 40) shows sentence 0 of it, not sentence 3.
+    from poslab.analysis.commands import _probe_targets
+
+    doc_id = torch.tensor([[-1, 7, 7, 7, 8, 8, -1]])
+    batch = {"input_ids": torch.zeros(1, 7, dtype=torch.long), "attention_mask": torch.ones(1, 7, dtype=torch.long),
+             "doc_id": doc_id,
+             "sentence_index": torch.tensor([[-1, 3, 3, 4, 0, 0, -1]]),
+             "paragraph_index": torch.tensor([[-1, 1, 1, 2, 0, 0, -1]]),
+             "pos_in_document": torch.tensor([[-1, 40, 41, 42, 0, 1, -1]]),
+             "pos_in_sentence": torch.tensor([[-1, 5, 6, 0, 0, 1, -1]])}
+    targets = _probe_targets(batch, batch["attention_mask"].bool(), None)
+    assert targets["sentence_index"].tolist() == [[-1, 0, 0, 1, 0, 0, -1]]
+    assert targets["paragraph_index"].tolist() == [[-1, 0, 0, 1, 0, 0, -1]]
+    assert targets["pos_in_document"].tolist() == [[-1, 0, 1, 2, 0, 1, -1]]
+    assert targets["pos_in_sentence"].tolist() == batch["pos_in_sentence"].tolist()  # within-unit: as labelled

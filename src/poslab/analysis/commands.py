@@ -20,8 +20,8 @@ from poslab.analysis.extrapolation import (ROPE_SCALINGS, evaluate_lengths, eval
                                            training_length, training_tokens)
 from poslab.analysis.frequencies import frequency_sums, usage_summary
 from poslab.analysis.heads import allowed_keys, label_heads, term_variances, variance_shares
-from poslab.analysis.probes import (absolute_positions, classification_probe, cosine_features, mlp_probe,
-                                    ridge_probe, shuffle_tokens, split_sequences, valid_targets,
+from poslab.analysis.probes import (absolute_positions, classification_probe, cosine_features, count_from_window,
+                                    mlp_probe, ridge_probe, shuffle_tokens, split_sequences, valid_targets,
                                     variance_features)
 from poslab.analysis.runs import Run, by_depth, layer_of, stream_of
 from poslab.analysis.similarity import cosine_self_similarity, sequence_adjacency
@@ -33,6 +33,9 @@ from poslab.positional import InputPositional, get_scheme
 STREAMS = ["embed", "embed.*", "blocks.*.resid_post", "blocks.*.resid_post.*"]
 ATTN_OUT = ["blocks.*.attn_out", "blocks.*.attn_out.*"]
 NOT_TARGETS = ("input_ids", "labels", "attention_mask", "doc_id")
+# Structure labels counted from the document's start: a packed window or a long document's later chunk
+# starts mid-document, and no model can tell how much of the document came before its window.
+DOCUMENT_COUNTS = ("paragraph_index", "sentence_index", "pos_in_document")
 NULL_FEATURES = "cosine, tokens shuffled (null)"
 
 
@@ -139,6 +142,8 @@ def _task_targets(labels: torch.Tensor, causal: bool) -> torch.Tensor:
 def _probe_targets(batch: dict, mask: torch.Tensor, wanted: tuple[str, ...] | None) -> dict[str, torch.Tensor]:
     targets = {"position": absolute_positions(mask)}
     targets.update({k: v for k, v in batch.items() if k not in NOT_TARGETS and v.dim() == 2})
+    if "doc_id" in batch:
+        targets.update({k: count_from_window(targets[k], batch["doc_id"]) for k in DOCUMENT_COUNTS if k in targets})
     if wanted is None:
         return targets
     for name in wanted:
