@@ -29,10 +29,10 @@ def test_cosine_self_similarity_shape_values_and_zero_vectors():
     h = torch.tensor([[1.0, 0.0], [0.0, 2.0], [3.0, 3.0], [0.0, 0.0]])
     c = cosine_self_similarity(h[None].expand(2, -1, -1))
     assert c.shape == (2, 4, 4)
-    assert torch.allclose(c[0, 0, 1], torch.tensor(0.0)) and torch.allclose(c[0, 0, 2], torch.tensor(math.sqrt(0.5)))
-    assert torch.allclose(torch.diagonal(c[0])[:3], torch.ones(3))
+    assert c[0, 0, 1].item() == pytest.approx(0.0) and c[0, 0, 2].item() == pytest.approx(math.sqrt(0.5))
+    assert torch.allclose(torch.diagonal(c[0])[:3], torch.ones(3, dtype=torch.float64))
     assert torch.all(c[0, 3] == 0)  # a zero vector is dissimilar to everything, never NaN
-    assert cosine_self_similarity(h.to(torch.bfloat16)).dtype == torch.float32
+    assert cosine_self_similarity(h.to(torch.bfloat16)).dtype == torch.float64
 
 
 def test_perfect_monotone_scores_one_and_reversed_scores_zero():
@@ -140,3 +140,17 @@ def test_matrices_too_small_for_a_score_give_nan_rows():
     for shape in [(0, 0), (3, 0, 0), (2, 2), (4, 1, 1)]:
         rows = adjacency_row_scores(torch.zeros(shape))
         assert rows.shape == shape[:-1] and torch.isnan(rows).all()
+
+
+def test_near_parallel_states_are_scored_on_their_exact_cosines():
+    # A large shared component (the paper's init mean 4 or 8) puts every cosine within ~1e-6 of 1, where
+    # float32 resolves only ~6e-8: the similarities must not be rounded to that grid before they are ranked.
+    torch.manual_seed(0)
+    x = torch.randn(4, 48, 64)
+    states = 8 + 0.002 * x.cumsum(1) / torch.arange(1, 49)[None, :, None]  # float32, as models capture them
+    m = states.double()
+    norm = m.norm(dim=-1)
+    exact = adjacency_score((m @ m.transpose(-1, -2)) / (norm[..., :, None] * norm[..., None, :]))
+    assert exact.min() > 0.99
+    assert torch.allclose(adjacency_score(cosine_self_similarity(states)), exact, atol=1e-6)
+    assert torch.allclose(sequence_adjacency(states), exact, atol=1e-6)

@@ -31,11 +31,13 @@ __all__ = [
 
 
 def cosine_self_similarity(h: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """C_ij = cos(h_i, h_j). h (..., n, d) -> (..., n, n), computed in at least fp32.
+    """C_ij = cos(h_i, h_j). h (..., n, d) -> (..., n, n) float64.
 
+    float64 because the score ranks these values: states sharing a large component (an init mean of 4 or
+    8) have cosines within ~1e-6 of 1, where float32's rounding (~6e-8) would reorder them.
     A zero vector has similarity 0 with everything (eps guards the norm), never NaN.
     """
-    x = F.normalize(h.float() if h.dtype in (torch.float16, torch.bfloat16) else h, dim=-1, eps=eps)
+    x = F.normalize(h.double(), dim=-1, eps=eps)
     return x @ x.transpose(-1, -2)
 
 
