@@ -401,6 +401,34 @@ def test_on_the_fly_preparation_is_cached(tmp_path):
     assert first.vocab_size == second.vocab_size
 
 
+def test_cache_entry_of_local_files_is_theirs(tmp_path, monkeypatch):
+    """A relative corpus path read from another directory is another corpus: another cache entry. A corpus
+    edited in place after its preparation is refused in one line (runs trained on the old one may still read
+    that entry); a corpus deleted after its preparation leaves the entry usable."""
+    corpus = tmp_path / "a" / "corpus.txt"
+    corpus.parent.mkdir()
+    corpus.write_text("The first corpus. It is short.\n")
+    monkeypatch.chdir(tmp_path / "a")
+    options = {"source": {"type": "text", "paths": "corpus.txt"}, "tokenizer": {**TOKENIZER, "min_frequency": 1},
+               "cache_dir": str(tmp_path / "cache")}
+    tokens = lambda: build_lm_source(0, **options).corpus.split("train").n_tokens  # noqa: E731
+    first = tokens()
+    assert tokens() == first and len(list((tmp_path / "cache").iterdir())) == 1  # unchanged: reused
+
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "corpus.txt").write_text("Another project's corpus. Only its name is that of the first.\n")
+    monkeypatch.chdir(tmp_path / "b")
+    assert tokens() != first and len(list((tmp_path / "cache").iterdir())) == 2
+
+    monkeypatch.chdir(tmp_path / "a")
+    corpus.write_text("The edited corpus. It is longer now, by a few words.\n")
+    with pytest.raises(DataError, match=rf"^{corpus} changed \(size or modification time\) since it was prepared "
+                                        r"into .*; delete that directory to prepare the corpus again$"):
+        tokens()
+    corpus.unlink()
+    assert tokens() == first
+
+
 def test_concurrent_preparers_keep_the_first_copy(tmp_path, monkeypatch):
     """torchrun ranks building one source prepare the same cache entry at once. The first copy renamed
     into place is the one every rank reads: a later preparer must discard its own copy, never swap the

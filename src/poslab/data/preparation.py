@@ -248,6 +248,7 @@ def _write(config: DataConfig, root: Path, log: Callable[[str], None],
         "sentence_columns": list(SENTENCE_COLUMNS),
         "splits": splits,
         "documents_read": n_docs,
+        "local_files": _local_files(config),
         "invalid_utf8_replaced": source.invalid_utf8,
         "seconds": round(seconds, 3),
         "tokens_per_second": round(sum(split["tokens"] for split in splits.values()) / max(seconds, 1e-9), 1),
@@ -320,21 +321,65 @@ def prepare_key(config: DataConfig, evaluation_only: bool = False) -> str:
                "tokenizer_training": TRAINING_VERSION}
     if evaluation_only:
         content["evaluation_only"] = True
+    if named := _named_paths(config):  # keys of configs that name no local path are unchanged
+        content["paths"] = named
     return hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _named_paths(config: DataConfig) -> list[str]:
+    """The local corpus and tokenizer paths the settings name, made absolute: a relative path read from
+    another directory is another corpus under the same settings (the default cache is shared by every
+    project)."""
+    paths = config.source.get("paths") if isinstance(config.source, dict) else None
+    named = [paths] if isinstance(paths, str) else list(paths or [])
+    if config.tokenizer.path is not None:
+        named.append(config.tokenizer.path)
+    return [str(Path(path).resolve()) for path in named]
+
+
+def _local_files(config: DataConfig) -> dict[str, list[int]] | None:
+    """{absolute path: [size, mtime_ns]} of the local corpus and tokenizer files preparation reads; None
+    when they cannot all be found (moved or deleted since). Size and time, not a hash of the contents: a
+    local corpus may be many gigabytes."""
+    try:
+        files = list(getattr(open_source(config.source), "files", []))
+    except DataError:
+        return None
+    if config.tokenizer.path is not None:
+        path = Path(config.tokenizer.path)
+        if not path.exists():
+            return None
+        files += sorted(path.iterdir()) if path.is_dir() else [path]
+    stats = {str(f.resolve()): f.stat() for f in files if f.is_file()}
+    return {name: [stat.st_size, stat.st_mtime_ns] for name, stat in stats.items()}
+
+
+def _check_unchanged(config: DataConfig, path: Path) -> None:
+    """Refuse a cache entry whose local files were edited after it was prepared (the settings, and so the
+    key, are the same). Files gone since are no objection: the prepared copy is what runs read."""
+    recorded = json.loads((path / "manifest.json").read_text()).get("local_files")
+    now = _local_files(config) if recorded else None
+    if now is not None and now != recorded:
+        changed = sorted(set(now).symmetric_difference(recorded) | {f for f in now if now[f] != recorded.get(f)})
+        raise DataError(f"{changed[0]} changed (size or modification time) since it was prepared into {path}; "
+                        "delete that directory to prepare the corpus again")
 
 
 def ensure_prepared(config: DataConfig, log: Callable[[str], None] = lambda message: None, *,
                     evaluation_only: bool = False) -> Path:
     """The prepared directory for ``config``: ``prepared`` itself, or a cache entry keyed by the content
     hash of the preparation settings, prepared now if missing (concurrent preparers: the first rename
-    wins, the others discard their copy). ``evaluation_only``: only the validation split."""
+    wins, the others discard their copy) and refused if its local files changed since. ``evaluation_only``:
+    only the validation split."""
     if config.prepared is not None:
         path = Path(config.prepared)
         if not (path / "manifest.json").is_file():
             raise DataError(f"{path} is not a prepared data directory (no manifest.json); run 'poslab data prepare'")
         return path
     path = Path(config.cache_dir or default_cache_dir()) / prepare_key(config, evaluation_only)
-    if not (path / "manifest.json").is_file():
+    if (path / "manifest.json").is_file():
+        _check_unchanged(config, path)
+    else:
         log(f"preparing data into cache {path}")
         try:
             prepare(config, path, log=log, evaluation_only=evaluation_only)
