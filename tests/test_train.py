@@ -714,3 +714,13 @@ def test_tensorboard_forgets_the_steps_a_resume_redoes(tmp_path, monkeypatch):
     events.Reload()
     steps = [e.step for e in events.Scalars("train/loss")]
     assert steps == sorted(set(steps)) == list(range(1, 7))
+
+
+def test_a_resume_keeps_the_batch_size(tmp_path):
+    """Step s reads the data order from sequence s * batch_size: a resume with another batch size would skip
+    or repeat data (a fixed task pool, a text corpus read once), so it is refused in one line."""
+    train(RunConfig.from_dict(tiny_config(steps=2, checkpoint_every=1)), tmp_path / "run")
+    with pytest.raises(PoslabError, match=r"^cannot resume with train.batch_size 16: the run read its data in "
+                                          r"batches of 8, .*--set train.init_from=RUN/checkpoints/last$"):
+        train(RunConfig.from_dict(tiny_config(steps=4, batch_size=16)), tmp_path / "run", resume=True)
+    assert ckpt.load_trainer_state(tmp_path / "run/checkpoints/last")["step"] == 2

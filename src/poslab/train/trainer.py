@@ -496,7 +496,7 @@ def _exists(checkpoint: Path) -> bool:
 
 def _check_same_run(saved: RunConfig, new: RunConfig) -> None:
     """A resumed run may change train settings (e.g. more steps) but not the seed, model (forward-only
-    settings aside) or data."""
+    settings aside), data or batch size."""
     old, cur = saved.to_dict(), new.to_dict()
     old["model"], cur["model"] = ckpt.weights_spec(old["model"]), ckpt.weights_spec(cur["model"])
     for section in ("seed", "model", "data"):
@@ -504,6 +504,11 @@ def _check_same_run(saved: RunConfig, new: RunConfig) -> None:
         if key is not None:
             raise ConfigError(f"cannot resume: {key} differs from the run's config.yaml; resume with that config "
                               "(only train settings may change)")
+    # Step s reads sequences s * batch_size onwards of the data order: another size would skip or repeat data.
+    require(saved.train.batch_size == new.train.batch_size,
+            f"cannot resume with train.batch_size {new.train.batch_size}: the run read its data in batches of "
+            f"{saved.train.batch_size}, and another size would skip or repeat part of it; keep it, or start a new "
+            "run from its weights with --set train.init_from=RUN/checkpoints/last")
 
 
 def _seed_everything(seed: int) -> None:
