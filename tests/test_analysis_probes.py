@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from poslab.analysis.probes import (absolute_positions, classification_probe, cosine_features, count_from_window,
-                                    macro_f1, mlp_probe, ridge_probe, shuffle_tokens, split_sequences,
-                                    valid_targets, variance_features)
+                                    macro_f1, mlp_probe, ridge_probe, shuffle_tokens, split_sequences, start_shown,
+                                    valid_targets, variance_features, window_labels)
 from poslab.errors import DataError
 
 
@@ -116,6 +116,25 @@ def test_count_from_window_restarts_each_document_at_its_first_sentence_in_the_s
     assert count_from_window(index, doc_id).tolist() == [[-1, 0, 0, 1, -1, 0, 1, -1], [-1, 0, 0, 1, 1, 2, -1, -1]]
 
 
+def test_within_unit_positions_are_known_only_where_the_unit_starts_in_view():
+    """A sequence that starts inside a sentence (a long document's later chunk, a packed window) cannot show
+    how far into that sentence its first tokens are, nor, inside a paragraph, which sentence of it they are."""
+    doc_id = torch.tensor([[7, 7, 7, 7, 7, -1], [7, 7, 8, 8, 8, 8]])
+    batch = {"doc_id": doc_id,
+             "sentence_index": torch.tensor([[3, 3, 4, 4, 5, -1], [0, 0, 0, 0, 1, 1]]),
+             "paragraph_index": torch.tensor([[1, 1, 1, 1, 2, -1], [0, 0, 0, 0, 0, 0]]),
+             "pos_in_sentence": torch.tensor([[4, 5, 0, 1, 0, -1], [0, 1, 0, 1, 0, 1]]),
+             "pos_in_paragraph": torch.tensor([[9, 10, 11, 12, 0, -1], [0, 1, 0, 1, 2, 3]]),
+             "sentence_in_paragraph": torch.tensor([[1, 1, 2, 2, 0, -1], [0, 0, 0, 0, 1, 1]])}
+    assert start_shown(batch["pos_in_sentence"], batch["sentence_index"], doc_id).tolist() == \
+        [[False, False, True, True, True, False], [True] * 6]
+    known = window_labels(batch)
+    assert known["pos_in_sentence"].tolist() == [[-1, -1, 0, 1, 0, -1], [0, 1, 0, 1, 0, 1]]
+    assert known["pos_in_paragraph"].tolist() == [[-1, -1, -1, -1, 0, -1], [0, 1, 0, 1, 2, 3]]
+    assert known["sentence_in_paragraph"].tolist() == [[-1, -1, -1, -1, 0, -1], [0, 0, 0, 0, 1, 1]]
+    assert known["sentence_index"].tolist() == [[0, 0, 1, 1, 2, -1], [0, 0, 0, 0, 1, 1]]
+
+
 def test_cosine_features_shapes_and_values():
     cos = torch.nn.functional.cosine_similarity
     h = torch.randn(3, 10, 4)
@@ -201,4 +220,5 @@ def test_cli_probe_targets_count_document_indices_from_the_window():
     assert targets["sentence_index"].tolist() == [[-1, 0, 0, 1, 0, 0, -1]]
     assert targets["paragraph_index"].tolist() == [[-1, 0, 0, 1, 0, 0, -1]]
     assert targets["pos_in_document"].tolist() == [[-1, 0, 1, 2, 0, 1, -1]]
-    assert targets["pos_in_sentence"].tolist() == batch["pos_in_sentence"].tolist()  # within-unit: as labelled
+    # within a sentence: known where the sentence starts in view (doc 7's sentence 3 began before the window)
+    assert targets["pos_in_sentence"].tolist() == [[-1, -1, -1, 0, 0, 1, -1]]

@@ -186,6 +186,13 @@ def test_dstg_run_streams_table_and_terms(tmp_path):
     probes = json.loads((tmp_path / "dstg" / "analysis" / "probes.json").read_text())["models"]["trained"]
     assert probes["classification"] == {"skipped": "no task labels (text data)"}
     assert "sentence_index" in probes["ridge"]
+    # 8 windows of 32 tokens show few paragraph starts: a within-paragraph label without a token in some split
+    # is skipped when every label is probed, and an error when asked for by name.
+    assert probes["ridge"]["sentence_in_paragraph"] == {
+        "skipped": "probe target 'sentence_in_paragraph' has no labelled token in the training, validation or test "
+                   "sequences"}
+    with pytest.raises(DataError, match="sentence_in_paragraph' has no labelled token .*analyse more sequences"):
+        analyze("probes", "--run", run, "--sequences", "8", "--probe-steps", "5", "--targets", "sentence_in_paragraph")
     assert analyze("adjacency", "--run", run, "--sequences", "8") == 0
     adj = json.loads((tmp_path / "dstg" / "analysis" / "adjacency.json").read_text())["models"]["trained"]
     assert {"embed.ap", "embed.sem", "blocks.1.resid_post.ap", "blocks.1.resid_post.sem"} <= set(adj)

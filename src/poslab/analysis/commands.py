@@ -20,9 +20,9 @@ from poslab.analysis.extrapolation import (ROPE_SCALINGS, evaluate_lengths, eval
                                            training_length, training_tokens)
 from poslab.analysis.frequencies import frequency_sums, usage_summary
 from poslab.analysis.heads import allowed_keys, label_heads, term_variances, variance_shares
-from poslab.analysis.probes import (absolute_positions, classification_probe, cosine_features, count_from_window,
-                                    mlp_probe, ridge_probe, shuffle_tokens, split_sequences, valid_targets,
-                                    variance_features)
+from poslab.analysis.probes import (absolute_positions, classification_probe, cosine_features, mlp_probe,
+                                    ridge_probe, shuffle_tokens, split_sequences, valid_targets, variance_features,
+                                    window_labels)
 from poslab.analysis.runs import Run, by_depth, layer_of, stream_of
 from poslab.analysis.similarity import cosine_self_similarity, sequence_adjacency
 from poslab.analysis.spectra import pca, spectrum_summary
@@ -33,9 +33,6 @@ from poslab.positional import InputPositional, get_scheme
 STREAMS = ["embed", "embed.*", "blocks.*.resid_post", "blocks.*.resid_post.*"]
 ATTN_OUT = ["blocks.*.attn_out", "blocks.*.attn_out.*"]
 NOT_TARGETS = ("input_ids", "labels", "attention_mask", "doc_id")
-# Structure labels counted from the document's start: a packed window or a long document's later chunk
-# starts mid-document, and no model can tell how much of the document came before its window.
-DOCUMENT_COUNTS = ("paragraph_index", "sentence_index", "pos_in_document")
 NULL_FEATURES = "cosine, tokens shuffled (null)"
 
 
@@ -142,8 +139,8 @@ def _task_targets(labels: torch.Tensor, causal: bool) -> torch.Tensor:
 def _probe_targets(batch: dict, mask: torch.Tensor, wanted: tuple[str, ...] | None) -> dict[str, torch.Tensor]:
     targets = {"position": absolute_positions(mask)}
     targets.update({k: v for k, v in batch.items() if k not in NOT_TARGETS and v.dim() == 2})
-    if "doc_id" in batch:
-        targets.update({k: count_from_window(targets[k], batch["doc_id"]) for k in DOCUMENT_COUNTS if k in targets})
+    if "doc_id" in batch:  # a packed window or a long document's later chunk starts mid-document
+        targets.update(window_labels(batch))
     if wanted is None:
         return targets
     for name in wanted:
@@ -168,8 +165,13 @@ def probes(run: Run, opts: Options) -> dict:
         for target, y in targets.items():
             labelled = valid_targets(y, mask)
             if not all(labelled[rows].any() for rows in (split.train, split.val, split.test)):
-                raise DataError(f"probe target '{target}' has no labelled token in the training, validation or "
-                                "test sequences; analyse more sequences (--sequences)")
+                missing = (f"probe target '{target}' has no labelled token in the training, validation or test "
+                           "sequences")
+                if opts.targets:  # asked for by name
+                    raise DataError(f"{missing}; analyse more sequences (--sequences)")
+                # Within-paragraph labels exist only where a paragraph starts in view: few in short windows.
+                entry["ridge"][target] = {"skipped": missing}
+                continue
             entry["ridge"][target] = {}
             for name in streams:
                 r2 = ridge_probe(caps[name], y, mask, split)["r2"][0]

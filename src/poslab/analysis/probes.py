@@ -63,6 +63,16 @@ def absolute_positions(mask: torch.Tensor) -> torch.Tensor:
     return mask.long().cumsum(-1) - 1
 
 
+def _group_min(values: torch.Tensor, labelled: torch.Tensor, *keys: torch.Tensor) -> torch.Tensor:
+    """For each labelled token, the least of ``values`` over the labelled tokens of its sequence that share
+    its ``keys``. values, labelled, keys (S, n) -> (labelled tokens,)."""
+    rows = torch.arange(values.shape[0], device=values.device)[:, None].expand_as(values)
+    groups, which = torch.unique(torch.stack([rows[labelled], *(k[labelled] for k in keys)], 1), dim=0,
+                                 return_inverse=True)
+    least = values.new_full((groups.shape[0],), torch.iinfo(values.dtype).max)
+    return least.scatter_reduce(0, which, values[labelled], "amin")[which]
+
+
 def count_from_window(index: torch.Tensor, doc_id: torch.Tensor) -> torch.Tensor:
     """A document-level index (sentence, paragraph) recounted from the first one each sequence shows of
     its document. index, doc_id (S, n) long, negative = no label -> (S, n) long.
@@ -72,13 +82,38 @@ def count_from_window(index: torch.Tensor, doc_id: torch.Tensor) -> torch.Tensor
     it can know is the count since the window's first sentence of that document.
     """
     labelled = (index >= 0) & (doc_id >= 0)
-    rows = torch.arange(index.shape[0], device=index.device)[:, None].expand_as(index)
-    pairs = torch.stack([rows[labelled], doc_id[labelled]], 1)
-    groups, which = torch.unique(pairs, dim=0, return_inverse=True)
-    first = index.new_full((groups.shape[0],), torch.iinfo(index.dtype).max)
-    first = first.scatter_reduce(0, which, index[labelled], "amin")
     out = index.clone()
-    out[labelled] = index[labelled] - first[which]
+    out[labelled] = index[labelled] - _group_min(index, labelled, doc_id)
+    return out
+
+
+def start_shown(pos: torch.Tensor, unit: torch.Tensor, doc_id: torch.Tensor) -> torch.Tensor:
+    """Whether each token's unit (sentence, paragraph) starts inside the sequence: ``pos`` is the token's
+    position within the unit (0 at its start), ``unit`` its index in the document. (S, n) -> (S, n) bool.
+    A window that starts inside a unit cannot show how far into it its first tokens are."""
+    labelled = (pos >= 0) & (unit >= 0) & (doc_id >= 0)
+    shown = torch.zeros_like(labelled)
+    shown[labelled] = _group_min(pos, labelled, doc_id, unit) == 0
+    return shown
+
+
+# Structure labels counted from the document's start, recounted from the window (count_from_window).
+DOCUMENT_COUNTS = ("paragraph_index", "sentence_index", "pos_in_document")
+# Labels counted within a unit -> (the unit's index, the position in the unit): known where it starts in view.
+WITHIN_UNIT = {"pos_in_sentence": ("sentence_index", "pos_in_sentence"),
+               "pos_in_paragraph": ("paragraph_index", "pos_in_paragraph"),
+               "sentence_in_paragraph": ("paragraph_index", "pos_in_paragraph")}
+
+
+def window_labels(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The structure labels of ``batch`` (with ``doc_id``) as a model reading each sequence can know them:
+    document-level counts from the window's first unit of each document, within-unit positions only
+    where the unit's start is in view (-1 elsewhere). Labels ``batch`` lacks are left out."""
+    doc_id = batch["doc_id"]
+    out = {k: count_from_window(batch[k], doc_id) for k in DOCUMENT_COUNTS if k in batch}
+    for name, (unit, pos) in WITHIN_UNIT.items():
+        if name in batch:
+            out[name] = batch[name].masked_fill(~start_shown(batch[pos], batch[unit], doc_id), -1)
     return out
 
 

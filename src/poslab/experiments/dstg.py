@@ -18,7 +18,7 @@ import yaml
 from poslab.analysis import plots
 from poslab.analysis.capture import collect
 from poslab.analysis.commands import Options, ap_table, heads as heads_analysis
-from poslab.analysis.probes import absolute_positions, count_from_window, ridge_probe, split_sequences
+from poslab.analysis.probes import absolute_positions, ridge_probe, split_sequences, window_labels
 from poslab.analysis.runs import by_depth
 from poslab.analysis.commands import spectra as spectra_analysis
 from poslab.analysis.runs import Run
@@ -34,8 +34,8 @@ DATA_DIR = Path(__file__).resolve().parents[1] / "configs" / "data"
 TOKEN, SEGMENT, INTRA = "position", "sentence_index", "pos_in_sentence"
 
 SCALES = {
-    # One document per sequence (no packing), so sentence and paragraph indices count from the start of
-    # the input, as segment-level position must; short documents keep every sentence inside 64 tokens.
+    # One document per sequence (no packing); a document longer than 62 tokens goes on in the next
+    # sequence (21% of the probes' sequences start mid-document), whose labels the probes recount.
     # benchmarks/quick_search/DSTG_FINDINGS.md records the configurations tried and what they showed.
     "quick": {"models": "quick", "data": "mlm_quick.yaml", "documents": 12000, "tokenizer_documents": 1000,
               "data_overrides": {"seq_len": 64, "packing": False,
@@ -127,14 +127,16 @@ def structure_probes(run: Run, opts: Options) -> dict[str, dict[str, float]]:
     """Ridge-probe test R^2 of each structure target from every residual stream (DSTG: also AP and sem
     separately), on the trained model; sequences split by sequence. {target: {stream name: R^2}}.
 
-    Segment-level position counts sentences from the first one the sequence shows of each document
-    (``count_from_window``): a packed window or a long document's later chunk starts mid-document."""
+    The targets are what each sequence can show (``window_labels``): a packed window or a long document's
+    later chunk starts mid-document, so segment-level position counts sentences from the first one the
+    sequence shows of each document, and intra-segment position is probed only in sentences that start
+    inside the sequence."""
     batches = run.batches(opts.sequences, opts.batch_size)
     caps, batch = collect(run.model, batches, ["embed", "embed.*", "blocks.*.resid_post", "blocks.*.resid_post.*"])
     mask = batch["attention_mask"].bool()
     split = split_sequences(mask.shape[0], seed=run.config.seed)
-    targets = {TOKEN: absolute_positions(mask), SEGMENT: count_from_window(batch[SEGMENT], batch["doc_id"]),
-               INTRA: batch[INTRA]}
+    known = window_labels(batch)
+    targets = {TOKEN: absolute_positions(mask), SEGMENT: known[SEGMENT], INTRA: known[INTRA]}
     return {t: {name: ridge_probe(caps[name], y, mask, split)["r2"][0] for name in by_depth(caps)}
             for t, y in targets.items()}
 
