@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import re
 
 import numpy as np
@@ -17,6 +18,7 @@ from poslab.errors import ConfigError, DataError
 from poslab.tasks import TASKS, CharTokenizer, build_batch_source, evaluate, exact_match, get_task
 from poslab.tasks.base import Ragged
 from poslab.tasks.cli import register
+from poslab.tasks.source import BUCKETS
 
 SMALL = {"validation_size": 64, "test_size": 64}
 
@@ -191,6 +193,27 @@ def test_each_problem_has_one_split_and_training_reaches_all_of_its_own():
     assert train == {p for p, s in split.items() if s == 0}  # 5,120 draws reach every training problem
     assert {split[p] for p in prompts(source.eval_batches("validation", 128), tok)} == {1}
     assert {split[p] for p in prompts(source.eval_batches("test", 128), tok)} == {2}
+
+
+def test_lengths_are_uniform_whatever_share_of_a_length_a_split_holds():
+    """A split takes each length equally often (of those it holds problems of), however the hash happens to split
+    a short length's few problems: ordering has 10 one-digit problems, so a 5% split holds none, one or a few of
+    them, and rejection over all lengths at once weighted each length by that share (one problem was 31% of
+    data_seed 0's test split, whose lengths were drawn uniformly over five)."""
+    one_digit = as_ragged([f"order({d},{d})=" for d in "0123456789"])
+    for data_seed in range(3):
+        source = build_batch_source(0, "ordering", data_seed=data_seed, train_size=None, validation_size=3000,
+                                    test_size=3000)
+        held = source.split_of(one_digit)
+        tok = source.tokenizer
+        train = [len(p) - 1 for p in prompts((source.train_batch(step, 100) for step in range(30)), tok)]
+        for split, lengths in (("train", train), *((s, [len(p) - 1 for p, _ in source.examples(s, 3000)])
+                                                   for s in ("validation", "test"))):
+            present = ([10] if (held == BUCKETS[split]).any() else []) + [12, 14, 16, 18]
+            counts = collections.Counter(lengths)
+            assert sorted(counts) == present, (data_seed, split)
+            for n in present:  # 3 standard deviations of a binomial share
+                assert counts[n] / len(lengths) == pytest.approx(1 / len(present), abs=0.025), (data_seed, split, n)
 
 
 def test_length_generalisation_split():
