@@ -550,3 +550,16 @@ def test_report_keeps_compared_numbers_apart():
     ours = [row[3] for row in summary_rows(data)]
     assert ours == ["rope: 1.0003, pope: 1.0002", "1.1004", "0.1235", "a: 0.25, b: nan, c: 0.75"]
     assert [c.held for c in made] == [True, False, False, False]
+
+
+def test_a_margin_is_reached_at_the_margin():
+    """A claim "by >= 10%" failed at a gap of exactly 10 points: the rule was ``pope > rope + 0.1``, and in floats
+    0.6 + 0.1 is not above 0.7, nor 0.9 - 0.8 at least 0.1. Without a margin, "above" stays strict."""
+    for pope, rope in ((0.7, 0.6), (0.9, 0.8), (0.95, 0.85)):
+        claim = claims.exceeds("c", "x", {"pope": pope, "rope": rope}, "pope", "rope", margin=0.1)
+        assert claim.held, (pope, rope)
+    assert claim.rule == "pope - rope >= 0.1"
+    assert not claims.exceeds("c", "x", {"pope": 0.69, "rope": 0.6}, "pope", "rope", margin=0.1).held
+    assert not claims.exceeds("c", "x", {"pope": math.nan, "rope": 0.6}, "pope", "rope", margin=0.1).held
+    tie = claims.exceeds("c", "x", {"rope": 1.5, "pope": 1.5}, "rope", "pope")
+    assert not tie.held and tie.rule == "rope > pope"

@@ -39,11 +39,16 @@ def within(claim: str, paper: Any, ours: float, low: float, high: float) -> Clai
 
 
 def exceeds(claim: str, paper: Any, ours: dict[str, float], larger: str, smaller: str, margin: float = 0.0) -> Claim:
-    """ours[larger] > ours[smaller] + margin."""
+    """ours[larger] > ours[smaller]; with a margin, ours[larger] - ours[smaller] >= margin, as the claims that
+    name one say ("by >= 0.2"). A gap at the margin must hold, but in floats 0.9 - 0.8 < 0.1: the difference
+    is compared within rounding error."""
     a, b = ours[larger], ours[smaller]
-    held = _finite(a, b) and a > b + margin
-    return Claim(claim, paper, {k: _round(v) for k, v in ours.items()}, held,
-                 f"{larger} > {smaller}" + (f" + {margin:g}" if margin else ""))
+    if margin:
+        held = _finite(a, b) and (a - b >= margin or math.isclose(a - b, margin, rel_tol=1e-9))
+        rule = f"{larger} - {smaller} >= {margin:g}"
+    else:
+        held, rule = _finite(a, b) and a > b, f"{larger} > {smaller}"
+    return Claim(claim, paper, {k: _round(v) for k, v in ours.items()}, held, rule)
 
 
 def lowest(claim: str, paper: Any, ours: dict[str, float], best: str) -> Claim:
