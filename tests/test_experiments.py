@@ -563,3 +563,16 @@ def test_a_margin_is_reached_at_the_margin():
     assert not claims.exceeds("c", "x", {"pope": math.nan, "rope": 0.6}, "pope", "rope", margin=0.1).held
     tie = claims.exceeds("c", "x", {"rope": 1.5, "pope": 1.5}, "rope", "pope")
     assert not tie.held and tie.rule == "rope > pope"
+
+
+def test_report_keeps_each_compared_number_apart_from_its_bound():
+    """A rule "every value >= 0.8" failed by 0.79996 read "a: 0.8, b: 0.9" (not held): a single number was kept apart
+    from its rule's bounds, the values of a dict only from each other."""
+    from poslab.experiments.report import summary_rows
+
+    made = [claims.all_of("every", "x", {"a": 0.79996, "b": 0.9}, 0.8),
+            claims.all_of("flat", "x", {"32": 1.10004, "48": 1.05}, 1.1, above=False),
+            claims.all_of("plain", "x", {"a": 0.123456, "b": 0.9}, 0.8)]
+    data = {"recipes": {"r": {"claims": [c.to_dict() for c in made]}}}
+    assert [row[3] for row in summary_rows(data)] == ["a: 0.79996, b: 0.9", "32: 1.10004, 48: 1.05", "a: 0.1235, b: 0.9"]
+    assert [c.held for c in made] == [False, False, False]

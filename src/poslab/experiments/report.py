@@ -8,14 +8,15 @@ from typing import Any
 NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")  # the bounds in a claim's rule
 
 
-def _fmt(value: Any, digits: int = 4) -> str:
+def _fmt(value: Any, digits: int | None = None) -> str:
+    """A cell; ``digits`` (significant) defaults to what keeps a dict's or list's numbers apart."""
     if isinstance(value, float):
-        return f"{value:.{digits}g}"
+        return f"{value:.{digits or 4}g}"
     if isinstance(value, dict):
-        digits = _distinct_digits(list(value.values()))
+        digits = digits or _distinct_digits(list(value.values()))
         return ", ".join(f"{k}: {_fmt(v, digits)}" for k, v in value.items())
     if isinstance(value, list):
-        digits = _distinct_digits(value)
+        digits = digits or _distinct_digits(value)
         return ", ".join(_fmt(v, digits) for v in value)
     return str(value)
 
@@ -31,13 +32,12 @@ def _distinct_digits(values: list[Any]) -> int:
 
 
 def _ours(claim: dict[str, Any]) -> str:
-    """A claim's result; a single number keeps apart from the bounds its rule names ("ours <= 1.1" failed by
-    1.1004 read "1.1")."""
+    """A claim's result; its numbers keep apart from each other and from the bounds its rule names ("ours <=
+    1.1" failed by 1.1004 read "1.1"; "every value >= 0.8" failed by 0.79996 read "a: 0.8")."""
     ours = claim["ours"]
-    if isinstance(ours, float):
-        bounds = [float(n) for n in NUMBER.findall(claim["rule"])]
-        return _fmt(ours, _distinct_digits([ours, *bounds]))
-    return _fmt(ours)
+    values = list(ours.values()) if isinstance(ours, dict) else ours if isinstance(ours, list) else [ours]
+    bounds = [float(n) for n in NUMBER.findall(claim["rule"])]
+    return _fmt(ours, _distinct_digits([*values, *bounds]))
 
 
 def _table(columns: list[str], rows: list[list[Any]]) -> list[str]:
