@@ -576,3 +576,18 @@ def test_report_keeps_each_compared_number_apart_from_its_bound():
     data = {"recipes": {"r": {"claims": [c.to_dict() for c in made]}}}
     assert [row[3] for row in summary_rows(data)] == ["a: 0.79996, b: 0.9", "32: 1.10004, 48: 1.05", "a: 0.1235, b: 0.9"]
     assert [c.held for c in made] == [False, False, False]
+
+
+def test_dstg_kept_claim_shows_the_numbers_it_compared():
+    """DSTG's "kept in the last layer" claims rounded their R^2 to 4 decimals: a held "dstg > every baseline"
+    read "dstg: 0.7149, ap_neobert: 0.7149"."""
+    from poslab.experiments.dstg import kept_in_last_layer
+    from poslab.experiments.report import summary_rows
+
+    last = {"dstg": 0.714942, "ap_neobert": 0.714861, "rope_neobert": 0.08, "rp_neobert": 0.13}
+    claim = kept_in_last_layer("segment-level position", last, best=0.72)
+    assert claim.held and claim.claim.startswith("segment-level position kept in DSTG's last layer")
+    ours = summary_rows({"recipes": {"dstg": {"claims": [claim.to_dict()]}}})[0][3]
+    assert ours.startswith("dstg: 0.71494, ap_neobert: 0.71486,") and ours.endswith("dstg best: 0.72")
+    assert not kept_in_last_layer("x", {**last, "rp_neobert": math.nan}, best=0.72).held
+    assert not kept_in_last_layer("x", last, best=0.8).held  # 0.715 < 0.9 x 0.8

@@ -27,15 +27,15 @@ def _finite(*values: float) -> bool:
 
 
 def at_least(claim: str, paper: Any, ours: float, threshold: float) -> Claim:
-    return Claim(claim, paper, _round(ours), _finite(ours) and ours >= threshold, f"ours >= {threshold:g}")
+    return Claim(claim, paper, rounded(ours), _finite(ours) and ours >= threshold, f"ours >= {threshold:g}")
 
 
 def at_most(claim: str, paper: Any, ours: float, threshold: float) -> Claim:
-    return Claim(claim, paper, _round(ours), _finite(ours) and ours <= threshold, f"ours <= {threshold:g}")
+    return Claim(claim, paper, rounded(ours), _finite(ours) and ours <= threshold, f"ours <= {threshold:g}")
 
 
 def within(claim: str, paper: Any, ours: float, low: float, high: float) -> Claim:
-    return Claim(claim, paper, _round(ours), _finite(ours) and low <= ours <= high, f"{low:g} <= ours <= {high:g}")
+    return Claim(claim, paper, rounded(ours), _finite(ours) and low <= ours <= high, f"{low:g} <= ours <= {high:g}")
 
 
 def exceeds(claim: str, paper: Any, ours: dict[str, float], larger: str, smaller: str, margin: float = 0.0) -> Claim:
@@ -48,21 +48,21 @@ def exceeds(claim: str, paper: Any, ours: dict[str, float], larger: str, smaller
         rule = f"{larger} - {smaller} >= {margin:g}"
     else:
         held, rule = _finite(a, b) and a > b, f"{larger} > {smaller}"
-    return Claim(claim, paper, {k: _round(v) for k, v in ours.items()}, held, rule)
+    return Claim(claim, paper, {k: rounded(v) for k, v in ours.items()}, held, rule)
 
 
 def lowest(claim: str, paper: Any, ours: dict[str, float], best: str) -> Claim:
     """ours[best] below every other value (errors, losses: lower is better)."""
     others = [k for k in ours if k != best]
     held = _finite(*ours.values()) and all(ours[best] < ours[k] for k in others)
-    return Claim(claim, paper, {k: _round(v) for k, v in ours.items()}, held, f"{best} < {' and '.join(others)}")
+    return Claim(claim, paper, {k: rounded(v) for k, v in ours.items()}, held, f"{best} < {' and '.join(others)}")
 
 
 def all_of(claim: str, paper: Any, ours: dict[str, float], threshold: float, above: bool = True) -> Claim:
     """Every value >= threshold (above) or <= threshold (not above)."""
     held = all(_finite(v) and (v >= threshold if above else v <= threshold) for v in ours.values())
     rule = f"every value {'>=' if above else '<='} {threshold:g}"
-    return Claim(claim, paper, {k: _round(v) for k, v in ours.items()}, held, rule)
+    return Claim(claim, paper, {k: rounded(v) for k, v in ours.items()}, held, rule)
 
 
 def tried_notes(result_claims: list[Claim], tried: dict[str, str]) -> list[str]:
@@ -79,7 +79,7 @@ def tried_notes(result_claims: list[Claim], tried: dict[str, str]) -> list[str]:
     return notes
 
 
-def _round(value: Any) -> Any:
+def rounded(value: Any) -> Any:
     """6 significant digits: enough that values the rule told apart stay apart in results.json (the report
     shows 4 unless more are needed)."""
     if isinstance(value, float) and math.isfinite(value):

@@ -141,6 +141,17 @@ def structure_probes(run: Run, opts: Options) -> dict[str, dict[str, float]]:
             for t, y in targets.items()}
 
 
+def kept_in_last_layer(what: str, last: dict[str, float], best: float) -> claims.Claim:
+    """The paper's "stays high in DSTG's last layer, degrades in the baselines", from each model's last-layer
+    R^2 (``last``) and DSTG's best block output's: DSTG's last layer above every baseline's, and at least 0.9
+    of DSTG's best."""
+    held = all(last["dstg"] > last[m] for m in last if m != "dstg") and last["dstg"] >= 0.9 * best
+    return claims.Claim(f"{what} kept in DSTG's last layer, above every baseline (linear probe R^2)",
+                        "kept vs lost",
+                        {**{k: claims.rounded(v) for k, v in last.items()}, "dstg best": claims.rounded(best)},
+                        held, "dstg > every baseline and dstg >= 0.9 x dstg best (best block output)")
+
+
 SPECTRA_MODELS = ("dstg", "ap_neobert")
 
 
@@ -200,16 +211,6 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
         """".sem" for a model with a separate semantic stream (DSTG), "" (the whole state) otherwise."""
         return ".sem" if any(layer.endswith(".sem") for layer in probe[name][INTRA]) else ""
 
-    def kept_in_last_layer(target: str, what: str) -> claims.Claim:
-        """The paper's "stays high in DSTG's last layer, degrades in the baselines": DSTG's last layer above
-        every baseline's, and at least 0.9 of DSTG's best block output."""
-        last = {m: last_layer(m, target) for m in MODELS}
-        best = best_layer("dstg", target)
-        held = all(last["dstg"] > last[b] for b in baselines) and last["dstg"] >= 0.9 * best
-        return claims.Claim(f"{what} kept in DSTG's last layer, above every baseline (linear probe R^2)",
-                            "kept vs lost", {**{k: round(v, 4) for k, v in last.items()}, "dstg best": round(best, 4)},
-                            held, "dstg > every baseline and dstg >= 0.9 x dstg best (best block output)")
-
     top2_by_seed = {key: top2 for key, (top2, _) in spectra.items()}
     low_bins_by_seed = {key: low for key, (_, low) in spectra.items()}
     top2 = {name: statistics.fmean(top2_by_seed[name, seed] for seed in seeds) for name in SPECTRA_MODELS}
@@ -217,7 +218,6 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
     over = f"mean of {len(seeds)} seeds" if len(seeds) > 1 else "one seed"
     counts = head_data["counts"]
     n_heads = sum(counts.values())
-    baselines = [m for m in MODELS if m != "dstg"]
     result_claims = [
         claims.exceeds(f"top-2 PCA share of the AP table (positions most sequences reach; {over}): DSTG far "
                        "above AP-NeoBERT (by >= 0.2)",
@@ -227,8 +227,10 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
                         f"nearly all DCT-II power in the first 4 of {rows} bins (share; threshold not recalibrated "
                         "for the shorter table)",
                         "nearly all", low_bins["dstg"], 0.8),
-        kept_in_last_layer(SEGMENT, "segment-level position (sentence index)"),
-        kept_in_last_layer(TOKEN, "token-level absolute position"),
+        kept_in_last_layer("segment-level position (sentence index)", {m: last_layer(m, SEGMENT) for m in MODELS},
+                           best_layer("dstg", SEGMENT)),
+        kept_in_last_layer("token-level absolute position", {m: last_layer(m, TOKEN) for m in MODELS},
+                           best_layer("dstg", TOKEN)),
         claims.all_of("intra-segment position (position in sentence) recoverable from the semantic subspace in "
                       "every model (best block output R^2 >= 0.5; DSTG: its sem stream)", "all models",
                       {m: best_layer(m, INTRA, semantic_stream(m)) for m in MODELS}, 0.5),
