@@ -591,3 +591,32 @@ def test_dstg_kept_claim_shows_the_numbers_it_compared():
     assert ours.startswith("dstg: 0.71494, ap_neobert: 0.71486,") and ours.endswith("dstg best: 0.72")
     assert not kept_in_last_layer("x", {**last, "rp_neobert": math.nan}, best=0.72).held
     assert not kept_in_last_layer("x", last, best=0.8).held  # 0.715 < 0.9 x 0.8
+
+
+def test_results_are_strict_json_and_render_the_same_when_rebuilt(tmp_path, fake_recipes, monkeypatch):
+    """A NaN or infinite measurement was written as the bare NaN / Infinity that Python reads but JSON has not
+    (jq, JSON.parse and other strict readers refused results.json). They are written as strings that
+    float() reads back, and the report rebuilt from them reads as the first."""
+    def measured(scale, out, log, jobs, device):
+        out.mkdir(parents=True, exist_ok=True)
+        return RecipeResult(out.name, scale, [claims.at_least("nan", 1.0, math.nan, 0.5),
+                                              claims.lowest("inf", "x", {"a": 0.25, "b": math.inf}, "a")],
+                            tables=[{"title": "t", "columns": ["a", "b"], "rows": [[-math.inf, 1.5]]}],
+                            details={"curve": [1.0, math.nan]})
+
+    sys.modules["fake_recipes"].measured = measured
+    monkeypatch.setitem(runner.RECIPES, "one", ("fake_recipes:measured", "first"))
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
+
+    runner.reproduce(["one"], "smoke", tmp_path, log=lambda _: None)
+    report = (tmp_path / "report.md").read_text()
+    result = strict((tmp_path / "one" / "result.json").read_text())
+    data = strict((tmp_path / "results.json").read_text())
+    assert data["recipes"]["one"]["details"] == {"curve": [1.0, "NaN"]}
+    assert data["recipes"]["one"]["tables"][0]["rows"] == [["-Infinity", 1.5]] and float("-Infinity") == -math.inf
+    assert result["claims"][0]["ours"] == "NaN" and result["claims"][1]["ours"] == {"a": 0.25, "b": "Infinity"}
+    assert "| one | inf | x | a: 0.25, b: Infinity | **no** |" in report
+    runner.reproduce(["one"], "smoke", tmp_path, log=lambda _: None)  # rebuilt from the recipe's result.json
+    assert (tmp_path / "report.md").read_text() == report

@@ -14,6 +14,7 @@ import dataclasses
 import datetime
 import importlib
 import json
+import math
 import os
 import platform
 import tempfile
@@ -96,7 +97,19 @@ def resolve(names: list[str]) -> list[str]:
 
 
 def write_json(path: Path, data: Any) -> None:
-    atomic_write_text(path, json.dumps(data, indent=2, default=str))
+    atomic_write_text(path, json.dumps(json_ready(data), indent=2, default=str, allow_nan=False))
+
+
+def json_ready(data: Any) -> Any:
+    """``data`` with each NaN or infinite float as the string float() reads back ("NaN", "Infinity",
+    "-Infinity"): JSON has no such numbers, and strict readers (jq, JSON.parse) refuse Python's bare NaN."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return "NaN" if math.isnan(data) else "Infinity" if data > 0 else "-Infinity"
+    if isinstance(data, dict):
+        return {key: json_ready(value) for key, value in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [json_ready(value) for value in data]
+    return data
 
 
 def load_finished(out: Path, log: Callable[[str], None]) -> dict[str, dict[str, Any]]:
@@ -215,7 +228,8 @@ def _run_recipes(names: list[str], scale: str, out: Path, force: bool, log: Call
         result: RecipeResult = getattr(module, fn)(scale, out / name, log, jobs, device)
         result.seconds = time.perf_counter() - start
         # When and where it ran, kept with it: results.json, rebuilt by later runs, reports these, not theirs.
-        recipes[name] = {**result.to_dict(), "date": _now(), "machine": machine(jobs)}
+        # As a rerun reads it back from result.json, so that report.md renders the same either way.
+        recipes[name] = json_ready({**result.to_dict(), "date": _now(), "machine": machine(jobs)})
         write_json(out / name / "result.json", recipes[name])
         held = sum(c.held for c in result.claims)
         log(f"[{name}] done in {result.seconds:.0f} s: {held}/{len(result.claims)} claims held")
