@@ -54,6 +54,7 @@ def fake_recipes(monkeypatch):
 
     module = type(sys)("fake_recipes")
     module.run = fake
+    module.runs = lambda scale, out: {}  # trains nothing
     monkeypatch.setitem(sys.modules, "fake_recipes", module)
     monkeypatch.setattr(runner, "RECIPES", {"one": ("fake_recipes:run", "first"), "two": ("fake_recipes:run", "second")})
     return calls
@@ -620,3 +621,34 @@ def test_results_are_strict_json_and_render_the_same_when_rebuilt(tmp_path, fake
     assert "| one | inf | x | a: 0.25, b: Infinity | **no** |" in report
     runner.reproduce(["one"], "smoke", tmp_path, log=lambda _: None)  # rebuilt from the recipe's result.json
     assert (tmp_path / "report.md").read_text() == report
+
+
+def test_a_finished_recipe_whose_trainings_changed_is_refused(tmp_path, fake_recipes, monkeypatch):
+    """A recipe that finished under an older version was skipped as finished, its numbers reported as this
+    version's, though its trainings differ from what the recipe trains now (which a rerun refuses)."""
+    from poslab.experiments.common import ensure_runs
+    from poslab.experiments.indirect_indexing import SCALES, run_config
+
+    steps = {"n": 3}
+
+    def trainings(scale, out):
+        config = run_config(SCALES["smoke"], "pope", 0)
+        return {"pope": ({**config, "train": {**config["train"], "steps": steps["n"]}}, out / "runs" / "pope")}
+
+    def trains(scale, out, log, jobs, device):
+        fake_recipes.append(out.name)
+        final = ensure_runs(trainings(scale, out), log)["pope"]
+        return RecipeResult(out.name, scale, [claims.at_least("accuracy", 1.0, final["eval_exact_match"], 0.0)])
+
+    module = sys.modules["fake_recipes"]
+    module.trains, module.trainings = trains, trainings
+    monkeypatch.setitem(runner.RECIPES, "one", ("fake_recipes:trains", "first"))
+    monkeypatch.setattr(module, "runs", trainings)
+    runner.reproduce(["one"], "smoke", tmp_path, log=lambda _: None)
+    runner.reproduce(["one"], "smoke", tmp_path, log=lambda _: None)  # unchanged: skipped
+    assert fake_recipes == ["one"]
+    steps["n"] = 4  # a newer version of the recipe
+    for force in (False, True):
+        with pytest.raises(PoslabError, match=r"pope was trained with other settings \(run.train.steps \(3 there, "
+                                              r"4 now\)\)"):
+            runner.reproduce(["one"], "smoke", tmp_path, force=force, log=lambda _: None)

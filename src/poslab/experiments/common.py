@@ -57,6 +57,22 @@ def trained_otherwise(cfg: RunConfig, out: Path) -> str | None:
     return first_difference(comparable(load_config(out / "config.yaml")), comparable(cfg), "run")
 
 
+def first_trained_otherwise(runs: dict[Any, tuple[dict[str, Any], Path]]) -> str | None:
+    """Why the first of ``runs`` (name -> (config, out)) that was trained with other settings cannot be reused
+    ("out (setting ...)"), or None. Reads only the runs' config.yaml files: a vocabulary the config leaves to
+    the data is the one the run's own tokenizer reached, so no corpus is prepared."""
+    for config, out in runs.values():
+        if not (out / "config.yaml").is_file():
+            continue
+        model = config["model"]
+        if model.get("vocab_size") is None:
+            model = {**model, "vocab_size": load_config(out / "config.yaml").model.vocab_size}
+        difference = trained_otherwise(RunConfig.from_dict({**config, "model": model}), out)
+        if difference is not None:
+            return f"{out} was trained with other settings ({difference})"
+    return None
+
+
 def ensure_run(config: dict[str, Any], out: Path, log: Callable[[str], None]) -> dict[str, Any]:
     """Train ``config`` into ``out`` and return its final metrics. A finished run is not trained again
     (its metrics come from out/final.json); an interrupted one resumes from its last checkpoint."""

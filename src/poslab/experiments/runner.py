@@ -27,7 +27,7 @@ import torch
 
 from poslab.errors import ConfigError, PoslabError, unknown_key_message
 from poslab.experiments.claims import Claim
-from poslab.experiments.common import ensure_runs
+from poslab.experiments.common import ensure_runs, first_trained_otherwise
 from poslab.files import atomic_write_text
 from poslab.train.parallel import Parallel
 
@@ -213,14 +213,20 @@ def _run_recipes(names: list[str], scale: str, out: Path, force: bool, log: Call
                  jobs: int, device: str) -> dict[str, Any]:
     recipes = finished_at_scale(out, scale, log)
     for name in names:
+        module_name, fn = RECIPES[name][0].split(":")
+        module = importlib.import_module(module_name)
         finished = None if force else recipes.get(name)
         if finished is not None:
+            # Its numbers are those of its trainings: a newer version of the recipe that trains otherwise would
+            # report them as its own (every rank reads the same files, so under torchrun all refuse together).
+            stale = first_trained_otherwise(module.runs(scale, out / name))
+            if stale is not None:
+                raise PoslabError(f"[{name}] finished in {out}, but {stale} than this version of the recipe uses; "
+                                  f"delete {out / name} to reproduce it again, or reproduce into another --out")
             log(f"[{name}] already finished ({finished['seconds']:.0f} s); skipping (use --force to redo)")
             continue
         _mark_scale(out, scale)
         log(f"[{name}] running at {scale} scale: {RECIPES[name][1]}")
-        module_name, fn = RECIPES[name][0].split(":")
-        module = importlib.import_module(module_name)
         if not _is_main():  # the other ranks only train (data-parallel with rank 0); rank 0 analyses and writes
             ensure_runs(module.runs(scale, out / name), log)
             continue
