@@ -652,3 +652,22 @@ def test_a_finished_recipe_whose_trainings_changed_is_refused(tmp_path, fake_rec
         with pytest.raises(PoslabError, match=r"pope was trained with other settings \(run.train.steps \(3 there, "
                                               r"4 now\)\)"):
             runner.reproduce(["one"], "smoke", tmp_path, force=force, log=lambda _: None)
+
+
+def test_indirect_indexing_chance_levels_match_guessers_on_the_task():
+    """The recipe's two baselines, checked by guessing on the task's own test problems: a random letter of
+    the string, and a guesser blind to position (the source letter when the shift is 0, else another letter)."""
+    import random
+
+    from poslab.experiments.indirect_indexing import SCALES, chance_levels
+    from poslab.tasks import build_batch_source
+
+    task = SCALES["quick"]["task"]
+    problems = build_batch_source(0, "indirect_indexing", **task, test_size=4000).examples("test", 4000)
+    rng, random_hits, blind_hits = random.Random(0), 0, 0
+    for prompt, answer in problems:
+        letters, source, shift = [part.strip() for part in prompt.split(",")[:3]]
+        random_hits += rng.choice(letters) == answer
+        blind_hits += (source if int(shift) == 0 else rng.choice(letters.replace(source, ""))) == answer
+    chance, blind = chance_levels(task)
+    assert abs(random_hits / len(problems) - chance) < 0.02 and abs(blind_hits / len(problems) - blind) < 0.025

@@ -76,6 +76,17 @@ def runs(scale_name: str, out: Path) -> dict:
             for scheme, seeds in _seeds(scale).items() for seed in seeds}
 
 
+def chance_levels(task: dict) -> tuple[float, float]:
+    """(chance, position-blind) exact match for the task options ``task`` (uniform lengths and shifts).
+
+    Chance: a random letter of the string, 1 / length. A model that reads the letters but not their order
+    does better: the answer is the source letter when the shift is 0, and otherwise one of the others."""
+    lengths = range(task["min_len"], task["max_len"] + 1)
+    shifts = range(task["min_shift"], task["max_shift"] + 1)
+    zero = (0 in shifts) / len(shifts)
+    return statistics.fmean(1 / n for n in lengths), zero + (1 - zero) * statistics.fmean(1 / (n - 1) for n in lengths)
+
+
 def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, device: str = "cpu") -> RecipeResult:
     """Trains and reads the trainings' final evaluations; nothing is measured afterwards, so ``device``
     (where the other recipes measure) goes unused."""
@@ -86,9 +97,7 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
     mean = {s: statistics.fmean(v) for s, v in accuracy.items()}
     std = {s: statistics.pstdev(v) if len(v) > 1 else 0.0 for s, v in accuracy.items()}
     alphabet = scale["task"].get("alphabet_size") or 52
-    # The answer is always a letter of the string, so a model blind to position still names one of the
-    # string's letters: chance is 1 / (string length), averaged over the uniformly drawn lengths.
-    chance = statistics.fmean(1 / n for n in range(scale["task"]["min_len"], scale["task"]["max_len"] + 1))
+    chance, blind = chance_levels(scale["task"])
     figure = plots.bars(out / "accuracy.png", {"test accuracy": mean},
                         f"Indirect indexing ({scale_name} scale), chance {chance:.1%}", "exact match")
     result_claims = [
@@ -109,6 +118,8 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
     notes = [f"{scale_name.capitalize()}-scale task: alphabet {alphabet}, string lengths {scale['task'].get('min_len')}-"
              f"{scale['task'].get('max_len')}, shifts {scale['task'].get('min_shift')}..{scale['task'].get('max_shift')}; "
              f"model {scale['model']}; {scale['train']['steps']} steps of batch {scale['train']['batch_size']}.",
+             f"Chance is {chance:.1%} for a random letter of the string; a model blind to position can reach "
+             f"{blind:.1%} (the source letter when the shift is 0, else a random other letter).",
              *claims.tried_notes(result_claims, scale.get("tried", {}))]
     return RecipeResult("indirect-indexing", scale_name, result_claims, figures=[rel(figure, out)], tables=tables,
                         notes=notes, details={"accuracy": accuracy})
