@@ -49,11 +49,11 @@ def test_pope_attention_matches_explicit(causal, n, d):
     torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-5)
 
 
-def pope_model(backend, delta_init="uniform"):
+def pope_model(backend, delta_init="uniform", **options):
     torch.manual_seed(1)
     return poslab.build_model({"arch": "decoder", "vocab_size": 40, "d_model": 32, "n_heads": 2, "n_layers": 2,
                                "attn_backend": backend,
-                               "positional": {"name": "pope", "options": {"delta_init": delta_init}}})
+                               "positional": {"name": "pope", "options": {"delta_init": delta_init, **options}}})
 
 
 def test_model_eager_and_sdpa_paths_agree():
@@ -113,6 +113,20 @@ def test_delta_past_a_bound_can_come_back():
 def test_uniform_delta_init_lies_in_range():
     delta = pope_model("sdpa", "uniform").model.layer_positional[1].delta
     assert (delta <= 0).all() and (delta >= -2 * math.pi).all() and delta.std() > 0.5
+
+
+def test_fixed_delta_stays_fixed_through_from_pretrained(tmp_path):
+    """learn_delta: false (the paper's "no delta" ablation, or a frozen random delta) survives save_pretrained and
+    from_pretrained: Hugging Face's loader rebuilds every loaded parameter as trainable, so a frozen parameter
+    would come back learning."""
+    from transformers import AutoModelForCausalLM
+
+    model = pope_model("sdpa", "uniform", learn_delta=False)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    for before, after in zip(model.model.layer_positional, loaded.model.layer_positional):
+        assert torch.equal(after.delta, before.delta) and not after.delta.requires_grad
+    assert not any("delta" in name for name, p in loaded.named_parameters() if p.requires_grad)
 
 
 def test_long_positions_keep_phase_precision():

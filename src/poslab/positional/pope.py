@@ -48,7 +48,12 @@ class PolarLayer(LayerPositional):
         self.base = opts.base
         self.register_buffer("theta", pope_frequencies(head_dim, opts.base), persistent=False)
         self.delta_init = opts.delta_init
-        self.raw_delta = nn.Parameter(torch.zeros(n_heads, head_dim), requires_grad=opts.learn_delta)
+        if opts.learn_delta:
+            self.raw_delta = nn.Parameter(torch.zeros(n_heads, head_dim))
+        else:
+            # A saved buffer, not a frozen parameter: Hugging Face's from_pretrained rebuilds every loaded
+            # parameter as trainable, so a frozen delta would come back learning.
+            self.register_buffer("raw_delta", torch.zeros(n_heads, head_dim))
         self.init_weights(0.0, 0.0)
 
     def init_weights(self, mean: float, std: float) -> None:
