@@ -194,3 +194,23 @@ def test_scheme_capabilities_say_what_the_scheme_does(name):
     assert scheme.bias_only == touches_only_bias
     option_names = {f.name for f in dataclasses.fields(scheme.Options)}
     assert scheme.context_scaling == ({"scaling", "factor", "original_max_len"} <= option_names)
+
+
+@pytest.mark.parametrize("name,options,table", [
+    ("rope", {}, "inv_freq"), ("rope", {"scaling": "yarn", "factor": 4.0, "original_max_len": 16}, "inv_freq"),
+    ("pope", {}, "theta"), ("alibi", {}, "slopes"),
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_a_model_cast_keeps_its_fixed_tables_in_fp32(name, options, table, dtype):
+    """model.to(bf16) casts weights, not the frequency and slope tables: a bf16 inv_freq or theta is 0.4% off,
+    which at position 4000 turns RoPE's rotations by up to 0.7 rad and PoPE's phases by up to 1.7 rad."""
+    import poslab
+
+    config = {"arch": "decoder", "vocab_size": 30, "d_model": 48, "n_heads": 12, "n_layers": 1, "max_seq_len": 64,
+              "positional": {"name": name, "options": options}}
+    model = poslab.build_model(config)
+    exact = getattr(model.model.layer_positional[0], table).clone()
+    model.to(dtype)
+    kept = getattr(model.model.layer_positional[0], table)
+    assert model.model.embed.weight.dtype == dtype  # the weights do follow the cast
+    assert kept.dtype == torch.float32 and torch.equal(kept, exact)

@@ -57,6 +57,8 @@ def partial_alibi_slopes(n_heads: int, biased: int) -> torch.Tensor:
 
 
 class ALiBiBias(LayerPositional):
+    fp32_tables = ("slopes",)
+
     def __init__(self, n_heads: int, biased: int) -> None:
         super().__init__()
         self.biased = biased

@@ -74,6 +74,20 @@ class LayerPositional(nn.Module):
     """Per-layer hooks. Defaults leave attention untouched, so a scheme overrides only what it uses.
     Parameters follow the same rule as ``InputPositional``'s."""
 
+    #: Buffers holding fixed fp32 tables (frequencies, slopes) that a model cast moves but never rounds.
+    fp32_tables: ClassVar[tuple[str, ...]] = ()
+
+    def _apply(self, fn, recurse=True):
+        # model.to(torch.bfloat16) would round these tables too: a bf16 frequency is 0.4% off, which turns a
+        # rotation at position 4000 by radians. Every cast and move goes through _apply; keep the fp32 values.
+        tables = {name: self._buffers[name] for name in self.fp32_tables}
+        super()._apply(fn, recurse)
+        for name, table in tables.items():
+            moved = self._buffers[name]
+            # A meta table holds no values to keep; init_weights computes them once the model is materialised.
+            self._buffers[name] = moved.float() if table.is_meta or moved.is_meta else table.to(moved.device)
+        return self
+
     def init_weights(self, mean: float, std: float) -> None:
         """(Re)initialise parameters; the model calls it with its normal(mean, std) init."""
 

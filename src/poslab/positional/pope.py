@@ -43,6 +43,8 @@ class PoPEOptions:
 
 
 class PolarLayer(LayerPositional):
+    fp32_tables = ("theta",)
+
     def __init__(self, opts: PoPEOptions, n_heads: int, head_dim: int) -> None:
         super().__init__()
         self.base = opts.base

@@ -125,6 +125,8 @@ class RotaryLayer(LayerPositional):
     """Rotates the first rotary_dim channels of q and k by their positions; parameter-free, so one instance
     serves every layer."""
 
+    fp32_tables = ("inv_freq",)
+
     def __init__(self, opts: RoPEOptions, head_dim: int, original_max_len: int) -> None:
         super().__init__()
         self.opts, self.original_max_len = opts, original_max_len
