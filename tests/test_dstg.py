@@ -233,6 +233,11 @@ def test_random_position_offset_applies_in_training_only():
     assert offsets.min() >= 0 and offsets.max() <= 7 and len(offsets[:, 0].unique()) > 1
     with pytest.raises(InputError, match="max_seq_len"):
         m(torch.zeros(1, 17, dtype=torch.long))
+    # Given positions get the offset too: the last 7 rows of the table are the offset's, not the caller's.
+    with pytest.raises(InputError, match=r"position_ids must lie in \[0, 17\) .*offset up to 7 is added\); got \[0, 20\]"):
+        m(torch.zeros(1, 3, dtype=torch.long), position_ids=torch.tensor([[0, 1, 20]]))
+    m.eval()
+    assert m(torch.zeros(1, 3, dtype=torch.long), position_ids=torch.tensor([[0, 1, 20]])).logits.shape == (1, 3, V)
 
 
 def test_ap_off_and_rp_off_is_permutation_equivariant_and_ap_on_is_not():

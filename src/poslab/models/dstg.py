@@ -246,9 +246,13 @@ class DSTGNeoBertModel(DSTGPreTrainedModel):
         n = input_ids.shape[1]
         if position_ids is not None:
             positions = position_ids
+            # In training the random offset is added to given positions too: it must stay inside the table.
+            limit = spec.table_size - (spec.position_offset_max if self.training else 0)
             if self.ap_embed is not None and positions.numel() and not (
-                    0 <= int(positions.min()) and int(positions.max()) < spec.table_size):
-                raise InputError(f"position_ids must lie in [0, {spec.table_size}) for the AP table of this model; "
+                    0 <= int(positions.min()) and int(positions.max()) < limit):
+                offset = f" (in training, a random offset up to {spec.position_offset_max} is added)" \
+                    if limit < spec.table_size else ""
+                raise InputError(f"position_ids must lie in [0, {limit}) for the AP table of this model{offset}; "
                                  f"got [{int(positions.min())}, {int(positions.max())}]")
         else:
             if self.ap_embed is not None and n > spec.max_seq_len:
