@@ -434,6 +434,45 @@ def test_a_finished_run_trained_with_other_settings_is_not_reused(tmp_path):
         ensure_run(changed, tmp_path / "run", lambda _: None)
 
 
+def test_a_damaged_final_json_is_written_again(tmp_path):
+    """A final.json cut short (a full disk, a hand edit) is not a finished run's record: the run resumes from
+    its last checkpoint, which is its end, and writes the record again."""
+    from poslab.experiments.common import ensure_run
+    from poslab.experiments.indirect_indexing import SCALES, run_config
+
+    config = run_config(SCALES["smoke"], "pope", 0)
+    first = ensure_run(config, tmp_path / "run", lambda _: None)
+    (tmp_path / "run" / "final.json").write_text('{"step": 3, "eval_lo')
+    again = ensure_run(config, tmp_path / "run", lambda _: None)
+    assert {k: again[k] for k in ("step", "eval_loss", "eval_exact_match")} == \
+           {k: first[k] for k in ("step", "eval_loss", "eval_exact_match")}
+    assert json.loads((tmp_path / "run" / "final.json").read_text())["eval_loss"] == first["eval_loss"]
+
+
+def test_a_worker_killed_by_the_system_is_one_error_line(tmp_path, monkeypatch):
+    """The kernel's OOM killer ends a worker without an exception of its own: the pool reports itself broken."""
+    from concurrent.futures import Future
+    from concurrent.futures.process import BrokenProcessPool
+
+    from poslab.experiments import common
+    from poslab.experiments.indirect_indexing import SCALES, run_config
+
+    class KilledPool:
+        def submit(self, *args):
+            future = Future()
+            future.set_exception(BrokenProcessPool("A process in the process pool was terminated abruptly"))
+            return future
+
+        def shutdown(self, cancel_futures):
+            pass
+
+    monkeypatch.setattr(common, "worker_pool", lambda workers: KilledPool())
+    runs = {seed: (run_config(SCALES["smoke"], "pope", seed), tmp_path / f"s{seed}") for seed in (0, 1)}
+    with pytest.raises(PoslabError, match=r"^a training worker process died \(killed by the system: out of "
+                                          r"memory\?\); rerun to resume .*lower --jobs"):
+        common.ensure_runs(runs, lambda _: None, jobs=2)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe, key", [("indirect_indexing", ("rope-half", 0)), ("indirect_indexing", ("alibi-half", 0)),
                                          ("indirect_indexing", ("pope", 0)), ("adjacency", ("nope", "addition", 0))])

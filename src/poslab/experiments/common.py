@@ -8,6 +8,7 @@ import os
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,8 +41,11 @@ def finished(cfg: RunConfig, out: Path) -> dict[str, Any] | None:
                               "recipe uses; delete it to train it again, or reproduce into another --out")
     final = out / FINAL
     if final.exists():
-        metrics = json.loads(final.read_text())
-        if metrics.get("step") == cfg.train.steps:
+        try:
+            metrics = json.loads(final.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return None  # damaged: a resume from the run's last checkpoint writes it again
+        if isinstance(metrics, dict) and metrics.get("step") == cfg.train.steps:
             return metrics
     return None
 
@@ -146,6 +150,9 @@ def ensure_runs(runs: dict[Any, tuple[dict[str, Any], Path]], log: Callable[[str
             log(f"  queued {out.name} for a worker process ({workers} at a time; progress: {out}.log)")
             futures[name] = pool.submit(_ensure_run_in_worker, config, out, threads)
         done = {name: future.result() for name, future in futures.items()}
+    except BrokenProcessPool:
+        raise PoslabError("a training worker process died (killed by the system: out of memory?); rerun to resume "
+                          "the unfinished trainings, with a lower --jobs if memory ran out") from None
     finally:
         pool.shutdown(cancel_futures=True)  # after a failure, do not start the runs still queued
     return {name: done[name] if name in done else ensure_run(config, out, log)
