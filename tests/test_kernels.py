@@ -190,6 +190,18 @@ def check_atomic_backward_matches_reference(attention):
 
 
 @_check
+def check_training_after_an_inference_mode_call(attention):
+    """The phase tables are cached per head dim, base and device; a first call under inference mode must not
+    leave tensors there that autograd later refuses to save (a base no other check uses: a fresh entry)."""
+    q, k, v, delta = _inputs(1, 1, 17, 17, 16, True, seed=9)
+    with torch.inference_mode():
+        attention(q, k, v, delta, base=777.0)
+    q.requires_grad_()
+    attention(q, k, v, delta, base=777.0).sum().backward()
+    assert torch.isfinite(q.grad).all()
+
+
+@_check
 def check_bad_inputs_raise_config_errors(attention):
     q, k, v, delta = _inputs(1, 2, 8, 8, 32, True, seed=7)
     with pytest.raises(ConfigError, match="head dim 48"):

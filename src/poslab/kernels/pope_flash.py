@@ -501,10 +501,13 @@ def _backward_mode(d: int) -> str:
 def _turns(d: int, base: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """theta_c / (2 pi) as fp64 (d,) and as fp32 (2, d) = [hi, lo] with hi holding 16 significant bits,
     so that j * hi is exact in fp32 for any tile row j < 256. theta_c is poslab.functional's fp32 value."""
-    turns = pope_frequencies(d, base, device).double() / (2 * math.pi)
-    mantissa, exponent = torch.frexp(turns.float())
-    hi = torch.ldexp(torch.trunc(mantissa * 2**16) / 2**16, exponent)
-    return turns, torch.stack([hi, (turns - hi.double()).float()])
+    # Cached across calls and saved for backward: a first call under torch.inference_mode() would cache
+    # inference tensors, which every later call with autograd refuses to save.
+    with torch.inference_mode(False):
+        turns = pope_frequencies(d, base, device).double() / (2 * math.pi)
+        mantissa, exponent = torch.frexp(turns.float())
+        hi = torch.ldexp(torch.trunc(mantissa * 2**16) / 2**16, exponent)
+        return turns, torch.stack([hi, (turns - hi.double()).float()])
 
 
 def _magnitudes(x: torch.Tensor) -> torch.Tensor:
