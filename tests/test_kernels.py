@@ -202,6 +202,24 @@ def check_training_after_an_inference_mode_call(attention):
 
 
 @_check
+def check_second_derivatives_are_refused(attention):
+    """The backward kernels are not differentiable: a second derivative (a gradient penalty) must raise,
+    not come back partial (the atomic backward's host-side sigmoid alone was differentiated)."""
+    import poslab.kernels.pope_flash as module
+
+    mode = module._backward_mode
+    q, k, v, delta = (x.requires_grad_() for x in _inputs(1, 1, 17, 17, 16, True, seed=10))
+    try:
+        for backward in ("split", "atomic"):
+            module._backward_mode = lambda d, backward=backward: backward
+            dq, = torch.autograd.grad(attention(q, k, v, delta, causal=True).square().sum(), q, create_graph=True)
+            with pytest.raises(RuntimeError, match="differentiate twice"):
+                dq.sum().backward()
+    finally:
+        module._backward_mode = mode
+
+
+@_check
 def check_bad_inputs_raise_config_errors(attention):
     q, k, v, delta = _inputs(1, 2, 8, 8, 32, True, seed=7)
     with pytest.raises(ConfigError, match="head dim 48"):

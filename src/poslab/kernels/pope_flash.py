@@ -540,6 +540,9 @@ class _PopeFlash(torch.autograd.Function):
         return o
 
     @staticmethod
+    # The kernels' outputs carry no graph: a second derivative would silently see only the host-side ops
+    # around them, so it raises instead.
+    @torch.autograd.function.once_differentiable
     def backward(ctx, do):
         q, k, v, o, lse, bias, turns, turns32, q_start, k_start, k_len, q_len = ctx.saved_tensors
         b, h, nq, d = q.shape
