@@ -38,6 +38,7 @@ a GPU yet.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -514,7 +515,9 @@ def _magnitudes(x: torch.Tensor) -> torch.Tensor:
     """softplus(x) as a contiguous (batch, heads, n, d) tensor in x's dtype: the kernels read magnitudes,
     d wide like x, instead of recomputing a softplus (two special-function-unit ops) per element of every
     tile they visit. Transient: the backward pass recomputes it from the saved x."""
-    return torch.nn.functional.softplus(x).contiguous()
+    # CUDA autocast computes softplus in fp32; the backward, outside autocast, would recompute bf16 magnitudes
+    # and rebuild other probabilities than the forward normalised.
+    return torch.nn.functional.softplus(x).to(x.dtype).contiguous()
 
 
 class _PopeFlash(torch.autograd.Function):
@@ -637,5 +640,8 @@ def pope_flash_attention(
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     delta_f = None if delta is None else delta.float().contiguous()
-    out = _PopeFlash.apply(q, k, v, delta_f, turns, turns32, q_start_t, k_start_t, k_len, q_len, bool(causal), scale)
-    return out
+    # Triton launches on the current CUDA device, not the inputs' (inputs on cuda:1 while cuda:0 is current
+    # fail); autograd runs the backward on the inputs' device by itself.
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        return _PopeFlash.apply(q, k, v, delta_f, turns, turns32, q_start_t, k_start_t, k_len, q_len, bool(causal),
+                                scale)
