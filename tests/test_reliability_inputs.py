@@ -664,3 +664,17 @@ def test_another_broken_pipe_is_an_error(monkeypatch, capsys):
     monkeypatch.setattr(poslab.cli, "build_parser", Parser)
     assert poslab.cli.main([]) == 2
     assert capsys.readouterr().err == "poslab: error: Broken pipe\n"
+
+
+@pytest.mark.parametrize("overrides", [["train.lr=1e39"], ["train.lr=1e300", "train.schedule=constant"],
+                                       ["train.lr=1e37", "train.betas=[0.99, 0.999]"]])
+def test_a_learning_rate_past_float32_is_refused_before_training(tmp_path, overrides):
+    """AdamW's first update moves a weight by lr / (1 - beta1) as a float32: past its range torch raised
+    'value cannot be converted to type float without overflow' from optimizer.step, a traceback."""
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(BASE))
+    sets = [arg for item in overrides for arg in ("--set", item)]
+    code, _, err = invoke(["train", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "run"), *sets])
+    error = check_exit(code, err)
+    assert code == 2 and "train.lr" in error and "float32" in error, err
+    assert not (tmp_path / "run").exists()
+

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from poslab.batches import SOURCES, BatchSource, build_batch_source
@@ -99,6 +100,12 @@ class TrainConfig:
         for i, beta in enumerate(self.betas):
             check_type(f"train.betas[{i}]", beta, float)
         require(all(0 <= b < 1 for b in self.betas), f"train.betas must be two numbers in [0, 1), got {list(self.betas)}")
+        # AdamW's first update moves each weight by lr / (1 - beta1), which torch converts to the weights' float32:
+        # past its range optimizer.step raised an overflow RuntimeError rather than the run diverging.
+        first_step = self.lr / (1 - self.betas[0])
+        require(first_step <= torch.finfo(torch.float32).max,
+                f"train.lr ({self.lr:g}) is too large: AdamW's first step, lr / (1 - train.betas[0]) = {first_step:.3g}, "
+                "does not fit in a float32; lower train.lr")
         require(self.eps > 0, f"train.eps must be > 0, got {self.eps}")
         require(self.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip}")
         require(self.eval_batch_size is None or self.eval_batch_size >= 1,
