@@ -678,3 +678,11 @@ def test_a_learning_rate_past_float32_is_refused_before_training(tmp_path, overr
     assert code == 2 and "train.lr" in error and "float32" in error, err
     assert not (tmp_path / "run").exists()
 
+
+@pytest.mark.parametrize("option,flag", [("name=reversal", "NAME"), ("seed=3", "--seed")])
+def test_tasks_show_refuses_name_or_seed_as_a_task_option(option, flag):
+    """They are build_batch_source's own arguments: --set name=... raised "got multiple values for argument"."""
+    code, _, err = invoke(["tasks", "show", "addition", "-n", "2", "--set", option])
+    error = check_exit(code, err)
+    assert code == 2 and flag in error, err
+

@@ -43,7 +43,12 @@ def list_tasks(args: argparse.Namespace) -> int:
 def show_task(args: argparse.Namespace) -> int:
     if not 1 <= args.n <= MAX_EXAMPLES:
         raise ConfigError(f"-n must lie in [1, {MAX_EXAMPLES:,}] (samples to print), got {args.n}")
-    source = build_batch_source(args.seed, args.name, **parse_overrides(args.set))
+    options = parse_overrides(args.set)
+    # Both are build_batch_source's own arguments, which a task option of that name would collide with.
+    for key, where in (("name", "the NAME argument"), ("seed", "--seed")):
+        if key in options:
+            raise ConfigError(f"--set {key}: the task's {key} is given as {where}, not as a task option")
+    source = build_batch_source(args.seed, args.name, **options)
     for prompt, answer in source.examples(args.split, args.n):
         print(f"{prompt}\t{answer}")
     return 0
