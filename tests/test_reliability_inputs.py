@@ -686,3 +686,20 @@ def test_tasks_show_refuses_name_or_seed_as_a_task_option(option, flag):
     error = check_exit(code, err)
     assert code == 2 and flag in error, err
 
+
+@pytest.mark.parametrize("override,message", [
+    ("tokenizer.vocab_size=99999999999999999999", "tokenizer.vocab_size must be an integer in [16, 16,777,216]"),
+    ("tokenizer.vocab_size=2147483648", "tokenizer.vocab_size must be an integer in [16, 16,777,216]"),
+    ("tokenizer.min_frequency=99999999999999999999", "tokenizer.min_frequency must be an integer in [1, 2^63)"),
+    ("tokenizer.train_documents=99999999999999999999", "tokenizer.train_documents must be an integer in [1, 2^63)"),
+])
+def test_tokenizer_sizes_past_the_trainer_are_refused(tmp_path, override, message):
+    """The tokenizers trainer takes these as 64-bit integers and reserves vocab_size entries up front: 2^31
+    aborted the process (Rust's 'memory allocation of 141733920784 bytes failed' and a 60-line backtrace,
+    exit 134), 2^66 raised OverflowError and train_documents past sys.maxsize a ValueError from islice."""
+    config = prepare_config(tmp_path, CORPORA["CRLF and lone CR line ends"])
+    out = tmp_path / "prepared"
+    code, _, err = invoke(["data", "prepare", str(config), "--out", str(out), "--set", override])
+    error = check_exit(code, err)
+    assert code == 2 and message in error, err
+    assert not out.exists()

@@ -37,6 +37,8 @@ def _int_range(value: Any, name: str, minimum: int = 0) -> tuple[int, int]:
     return int(lo), int(hi)
 
 
+# 64x the largest vocabularies in use (~256k); each entry costs the trainer about 66 bytes before it starts.
+MAX_TOKENIZER_VOCAB = 2**24
 SPECIAL_ROLES = ("cls", "sep", "pad", "mask", "unk")
 BERT_SPECIAL_TOKENS = {"cls": "[CLS]", "sep": "[SEP]", "pad": "[PAD]", "mask": "[MASK]", "unk": "[UNK]"}
 
@@ -63,10 +65,14 @@ class TokenizerConfig:
 
         lookup("tokenizer type", self.type, TRAINABLE)  # before check_fields: it names the valid types
         check_fields(self, "tokenizer.")
-        require(self.vocab_size >= 16, f"tokenizer.vocab_size must be an integer >= 16, got {self.vocab_size!r}")
-        require(self.min_frequency >= 1, f"tokenizer.min_frequency must be an integer >= 1, got {self.min_frequency!r}")
-        require(self.train_documents >= 1,
-                f"tokenizer.train_documents must be an integer >= 1, got {self.train_documents!r}")
+        # The tokenizers trainer reserves memory for vocab_size entries up front (2^31 asked for 141 GB and aborted
+        # the process) and takes the counts as 64-bit integers; islice takes train_documents up to sys.maxsize.
+        require(16 <= self.vocab_size <= MAX_TOKENIZER_VOCAB, f"tokenizer.vocab_size must be an integer in [16, "
+                f"{MAX_TOKENIZER_VOCAB:,}] (the trainer reserves memory for every entry), got {self.vocab_size!r}")
+        require(1 <= self.min_frequency < 2**63,
+                f"tokenizer.min_frequency must be an integer in [1, 2^63), got {self.min_frequency!r}")
+        require(1 <= self.train_documents < 2**63,
+                f"tokenizer.train_documents must be an integer in [1, 2^63), got {self.train_documents!r}")
         require(isinstance(self.special_tokens, dict), "tokenizer.special_tokens must be a mapping role -> token")
         for role in self.special_tokens:
             if role not in SPECIAL_ROLES:
