@@ -703,3 +703,23 @@ def test_tokenizer_sizes_past_the_trainer_are_refused(tmp_path, override, messag
     error = check_exit(code, err)
     assert code == 2 and message in error, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda state: [1, 2], "holds a JSON list"),
+    (lambda state: state | {"step": "abc"}, "needs step (an integer >= 0)"),
+    (lambda state: {k: v for k, v in state.items() if k != "best"}, "needs best (null or a mapping"),
+    (lambda state: state | {"best": {"metric": "loss"}}, "needs best (null or a mapping"),
+])
+def test_resume_refuses_a_trainer_state_of_the_wrong_shape(tmp_path, damage, message):
+    """A trainer_state.json written otherwise than by poslab's save (by hand, by another tool) passes its checksums:
+    --resume raised a TypeError, KeyError or AttributeError where it read the state."""
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(BASE))
+    run = ["train", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "run")]
+    assert invoke(run)[0] == 0
+    last = tmp_path / "run" / "checkpoints" / "last"
+    (last / "trainer_state.json").write_text(json.dumps(damage(ckpt.load_trainer_state(last))))
+    ckpt.write_manifest(last)
+    code, _, err = invoke(run + ["--resume", "--set", "train.steps=3"])
+    error = check_exit(code, err)
+    assert code == 2 and "trainer_state.json is damaged" in error and message in error, err

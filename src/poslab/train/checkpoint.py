@@ -44,7 +44,7 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers.utils import logging as hf_logging
 
-from poslab.errors import CheckpointError, PoslabError, shown
+from poslab.errors import CheckpointError, PoslabError, is_int, shown
 
 FORMAT = 1  # bump when a poslab can no longer resume the checkpoints of the previous format
 STATE_FILE = "trainer_state.json"
@@ -197,7 +197,7 @@ def resolve(path: Path, log: Callable[[str], None] | None = None) -> Path:
             problems.append(str(err))
             continue
         state = load_trainer_state(candidate)
-        _check_format(candidate, state)
+        _check_state(candidate, state)
         if problems:
             (log or warn)(f"{'; '.join(problems)}; using {candidate} (step {state.get('step')})")
         return candidate
@@ -314,6 +314,34 @@ def first_difference(a: Any, b: Any, path: str) -> str | None:
                 return diff
         return None
     return None if a == b else f"{path} ({shown(a)} there, {shown(b)} now)"
+
+
+def _check_state(path: Path, state: Any) -> None:
+    """CheckpointError unless ``state`` is a mapping of this checkpoint format with a step. Checksums only show
+    that the file is as it was written: one written otherwise (by hand, by another tool) failed later with a
+    TypeError or AttributeError."""
+    file = Path(path) / STATE_FILE
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{file} is damaged: it holds a JSON {type(state).__name__}, not a mapping; resume "
+                              "from another checkpoint or start a new run")
+    _check_format(path, state)
+    if not (is_int(state.get("step")) and state["step"] >= 0):
+        raise CheckpointError(f"{file} is damaged: it needs step (an integer >= 0), got {shown(state.get('step'))}; "
+                              "resume from another checkpoint or start a new run")
+
+
+def load_resume_state(path: Path) -> dict[str, Any]:
+    """The trainer state of checkpoint ``path`` (from ``resolve``) with what resuming reads besides the step, or
+    CheckpointError: a KeyError or TypeError otherwise."""
+    state = load_trainer_state(path)
+    best, loss = state.get("best"), state.get("last_loss")
+    if not ({"best", "last_loss"} <= state.keys()
+            and (best is None or isinstance(best, dict) and {"metric", "value", "step"} <= best.keys())
+            and (loss is None or isinstance(loss, (int, float)) and not isinstance(loss, bool))):
+        raise CheckpointError(f"{Path(path) / STATE_FILE} is damaged: it needs best (null or a mapping of metric, "
+                              "value and step) and last_loss (a number); resume from another checkpoint or start a "
+                              "new run")
+    return state
 
 
 def _check_format(path: Path, state: dict[str, Any]) -> None:

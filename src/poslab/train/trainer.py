@@ -148,7 +148,7 @@ class Trainer:
         model = build_model(config.model)
         last = self._resume_point() if resume else None
         if last is not None:
-            state = ckpt.load_trainer_state(last)
+            state = ckpt.load_resume_state(last)
             require(cfg.steps >= state["step"],
                     f"cannot resume: train.steps ({cfg.steps}) is below the step {last} was saved at "
                     f"({state['step']}); set train.steps to {state['step']} or more")
@@ -180,8 +180,8 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg, done)
         if resume and _exists(self.out / CHECKPOINTS / "best"):  # best may be newer than last: trust its record
             with contextlib.suppress(CheckpointError):
-                self.best = ckpt.load_trainer_state(ckpt.resolve(self.out / CHECKPOINTS / "best",
-                                                                 self.notes.append))["best"]
+                self.best = ckpt.load_resume_state(ckpt.resolve(self.out / CHECKPOINTS / "best",
+                                                               self.notes.append))["best"]
         if parallel.is_main:
             _init_out_dir(self.out, config, overwrite)
             if resume:
