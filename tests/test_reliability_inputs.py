@@ -723,3 +723,26 @@ def test_resume_refuses_a_trainer_state_of_the_wrong_shape(tmp_path, damage, mes
     code, _, err = invoke(run + ["--resume", "--set", "train.steps=3"])
     error = check_exit(code, err)
     assert code == 2 and "trainer_state.json is damaged" in error and message in error, err
+
+
+@pytest.mark.parametrize("source,text,message", [
+    ("file", "seed: 0\nseed: 1\n", "line 2 is not valid YAML: duplicate key 'seed' (first on line 1)"),
+    ("file", "train: {steps: 1}\nseed: 0\ntrain: {lr: 1.0e-3}\n", "line 3 is not valid YAML: duplicate key 'train'"),
+    ("--set", "model.positional={name: rope, name: pope}", "--set model.positional: value '{name: rope, name: pope}' "
+                                                            "is not valid YAML"),
+])
+def test_a_duplicate_key_is_refused(tmp_path, source, text, message):
+    """PyYAML keeps the last of two equal keys: a config with two train sections silently lost the first."""
+    base = {k: v for k, v in BASE.items() if k not in ("seed", "train")} if source == "file" else BASE
+    (tmp_path / "run.yaml").write_text((text if source == "file" else "") + yaml.safe_dump(base))
+    sets = ["--set", text] if source == "--set" else []
+    code, _, err = invoke(["train", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "run"), *sets])
+    error = check_exit(code, err)
+    assert code == 2 and message in error, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_yaml_merge_keys_still_override():
+    from poslab.arguments import load_yaml_text
+
+    assert load_yaml_text("base: &b {a: 1, b: 2}\nrun: {<<: *b, b: 3}\n")["run"] == {"a": 1, "b": 3}

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from poslab.errors import ConfigError
+from poslab.errors import ConfigError, shown
 
 
 def read_yaml(path: str | Path, what: str = "config") -> Any:
@@ -30,7 +30,7 @@ def read_yaml(path: str | Path, what: str = "config") -> Any:
     except UnicodeDecodeError as err:
         raise ConfigError(f"{what} {path} is not UTF-8 text (byte {err.start} is invalid); save it as UTF-8") from None
     try:
-        return yaml.safe_load(text)
+        return load_yaml_text(text)
     except yaml.YAMLError as err:
         where = getattr(err, "problem_mark", None)
         line = f" line {where.line + 1}" if where is not None else ""
@@ -38,6 +38,33 @@ def read_yaml(path: str | Path, what: str = "config") -> Any:
         raise ConfigError(f"{what} {path}:{line} is not valid YAML: {problem}") from None
     except ValueError as err:  # a scalar YAML cannot convert: a date 2001-13-01, an integer of 5000 digits
         raise ConfigError(f"{what} {path} holds a value YAML cannot read: {str(err).split(';')[0]}") from None
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, refusing a key given twice in one mapping: PyYAML keeps the last, so a config
+    with two train sections silently lost the first. A merge (<<: *base) may still be overridden."""
+
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict:
+        if isinstance(node, yaml.MappingNode):
+            first: dict[Any, yaml.Node] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    seen = first.setdefault(key, key_node)
+                except TypeError:  # an unhashable key: the SafeLoader's own error says so
+                    continue
+                if seen is not key_node:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {shown(key)} (first on line {seen.start_mark.line + 1})",
+                        key_node.start_mark)
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml_text(text: str) -> Any:
+    """yaml.safe_load(text), with a key given twice in a mapping a yaml.YAMLError."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)
 
 
 def path_argument(text: str) -> str:

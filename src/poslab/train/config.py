@@ -26,7 +26,7 @@ import torch
 import yaml
 
 from poslab.batches import SOURCES, BatchSource, build_batch_source
-from poslab.arguments import read_yaml
+from poslab.arguments import load_yaml_text, read_yaml
 from poslab.errors import (ConfigError, check_fields, check_type, cut, finite, known_fields, lookup, parse_number,
                            require, shown)
 from poslab.models import ARCHS, DSTGConfig, ModelConfig
@@ -205,7 +205,7 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     key, sep, text = item.partition("=")
     require(bool(sep) and bool(key), f"--set expects key.path=value (e.g. train.lr=1e-3), got '{cut(item)}'")
     try:
-        value = yaml.safe_load(text)
+        value = load_yaml_text(text)
     except (yaml.YAMLError, ValueError):  # ValueError: a date 2001-13-01, an integer of 5000 digits
         raise ConfigError(f"--set {key}: value '{cut(text)}' is not valid YAML") from None
     *parents, leaf = key.split(".")
