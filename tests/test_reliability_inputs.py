@@ -746,3 +746,21 @@ def test_yaml_merge_keys_still_override():
     from poslab.arguments import load_yaml_text
 
     assert load_yaml_text("base: &b {a: 1, b: 2}\nrun: {<<: *b, b: 3}\n")["run"] == {"a": 1, "b": 3}
+
+
+@pytest.mark.parametrize("command", [["train", "@CONFIG"], ["data", "prepare", "@DATA"]])
+@pytest.mark.parametrize("link", ["dangling", "loop"])
+def test_an_output_path_that_is_a_broken_link_is_refused_first(tmp_path, command, link):
+    """A symbolic link to nothing (or to itself) is no directory and no free path: `data prepare` trained its
+    tokenizer and then failed naming its temporary directory ('Not a directory: .out.tmp-...'), `train` said only
+    'File exists'."""
+    out = tmp_path / "out"
+    out.symlink_to(tmp_path / "missing" if link == "dangling" else out)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(BASE))
+    data = prepare_config(tmp_path, CORPORA["CRLF and lone CR line ends"])
+    paths = {"@CONFIG": str(tmp_path / "run.yaml"), "@DATA": str(data)}
+    code, _, err = invoke([paths.get(t, t) for t in command] + ["--out", str(out)])
+    error = check_exit(code, err)
+    assert code == 2 and f"cannot create {out} (a symbolic link to a missing target" in error, err
+    assert out.is_symlink() and not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == [
+        "corpus.txt", "data.yaml", "out", "run.yaml"]

@@ -81,6 +81,9 @@ def output_argument(text: str) -> str:
     written, after the work (``data prepare`` trained its tokenizer first), naming a temporary file. A directory
     made and removed again is the probe: ``os.access`` says yes to root where a write then fails."""
     path = Path(path_argument(text)).absolute()
+    if path.is_symlink() and not path.exists():  # neither a directory nor a free name: mkdir says 'File exists'
+        raise argparse.ArgumentTypeError(f"cannot create {text} (a symbolic link to a missing target, or a loop); "
+                                         "remove the link or choose another directory")
     ancestor = path if path.is_dir() else path.parent
     while not ancestor.exists():
         ancestor = ancestor.parent
