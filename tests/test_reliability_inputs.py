@@ -764,3 +764,21 @@ def test_an_output_path_that_is_a_broken_link_is_refused_first(tmp_path, command
     assert code == 2 and f"cannot create {out} (a symbolic link to a missing target" in error, err
     assert out.is_symlink() and not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == [
         "corpus.txt", "data.yaml", "out", "run.yaml"]
+
+
+@pytest.mark.parametrize("device", ["/dev/zero", "/dev/urandom"])
+def test_an_endless_config_file_is_refused_without_filling_memory(tmp_path, device):
+    """`poslab train /dev/zero` read until memory ran out (the whole machine's, without a limit) and then blamed
+    the config's model sizes. Run under a 6 GB address-space limit, so that the old behaviour fails safely."""
+    import resource
+    import subprocess
+    import sys
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+
+    result = subprocess.run([sys.executable, "-m", "poslab", "train", device, "--out", str(tmp_path / "run")],
+                            capture_output=True, text=True, preexec_fn=limit, timeout=120)
+    error = check_exit(result.returncode, result.stderr)
+    assert result.returncode == 2 and f"config {device} is larger than 16 MiB" in error, result.stderr
+    assert not (tmp_path / "run").exists()

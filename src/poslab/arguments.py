@@ -17,6 +17,10 @@ import yaml
 from poslab.errors import ConfigError, shown
 
 
+# Far above any config (a few kB); PyYAML parses about 1 MB/s.
+MAX_YAML_BYTES = 16 << 20
+
+
 def read_yaml(path: str | Path, what: str = "config") -> Any:
     """The YAML document in ``path`` (None for an empty file), or ConfigError naming ``what`` and the file:
     missing or unreadable, not UTF-8 text (a binary or UTF-16 file), or not valid YAML (with the line)."""
@@ -24,9 +28,15 @@ def read_yaml(path: str | Path, what: str = "config") -> Any:
         raise ConfigError(f"the {what} path is empty; give a YAML file")
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        with open(path, "rb") as file:  # bounded: /dev/zero (or a wrong, huge file) would fill the memory
+            data = file.read(MAX_YAML_BYTES + 1)
     except OSError as err:
         raise ConfigError(f"cannot read {what} {path}: {err.strerror}") from None
+    if len(data) > MAX_YAML_BYTES:
+        raise ConfigError(f"{what} {path} is larger than {MAX_YAML_BYTES >> 20} MiB; a {what} is a YAML file of a few "
+                          "kB: check the path")
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise ConfigError(f"{what} {path} is not UTF-8 text (byte {err.start} is invalid); save it as UTF-8") from None
     try:
