@@ -782,3 +782,21 @@ def test_an_endless_config_file_is_refused_without_filling_memory(tmp_path, devi
     error = check_exit(result.returncode, result.stderr)
     assert result.returncode == 2 and f"config {device} is larger than 16 MiB" in error, result.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("command", ["resume", "analyze", "init_from"])
+def test_an_invalid_saved_config_is_named(tmp_path, command):
+    """A run's config.yaml that this poslab refuses (written by another version, edited) was reported as
+    'unknown train key ...', which reads as an error in the config the user passed."""
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(BASE))
+    run = ["train", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "run")]
+    assert invoke(run)[0] == 0
+    saved = tmp_path / "run" / "config.yaml"
+    saved.write_text(saved.read_text().replace("train:\n", "train:\n  newer_option: 1\n"))
+    argv = {"resume": run + ["--resume", "--set", "train.steps=3"],
+            "analyze": ["analyze", "adjacency", "--run", str(tmp_path / "run"), "--sequences", "2"],
+            "init_from": ["train", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "tuned"),
+                          "--set", f"train.init_from={tmp_path / 'run'}"]}[command]
+    code, _, err = invoke(argv)
+    error = check_exit(code, err)
+    assert code == 2 and f"{saved}: unknown train key 'newer_option'" in error, err

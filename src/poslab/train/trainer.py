@@ -75,7 +75,7 @@ def load_run(out_dir: str | Path, which: str | None = None) -> tuple[RunConfig, 
     out_dir = Path(out_dir)
     if not (out_dir / CONFIG_FILE).is_file():
         raise CheckpointError(f"{out_dir} is not a run directory (no {CONFIG_FILE})")
-    config = load_config(out_dir / CONFIG_FILE)
+    config = load_saved_config(out_dir)
     names = [which] if which else ["best", "last"]
     problems = []
     for name in names:
@@ -91,6 +91,18 @@ def load_run(out_dir: str | Path, which: str | None = None) -> tuple[RunConfig, 
     model = build_model(config.model)
     ckpt.load_weights(model, path)
     return config, model.eval()
+
+
+def load_saved_config(run: Path) -> RunConfig:
+    """The config.yaml of run directory ``run``. A key it refuses (from another poslab version, an edit) would
+    read as an error in the config the user passed, so the message names this file first (errors in reading
+    it name it already)."""
+    path = run / CONFIG_FILE
+    try:
+        return load_config(path)
+    except ConfigError as err:
+        message = str(err)
+        raise ConfigError(message if str(path) in message else f"{path}: {message}") from None
 
 
 class Trainer:
@@ -448,7 +460,7 @@ def _init_point(path: Path) -> Path:
                               "directory written by `poslab train`")
     path = ckpt.resolve(path)
     if run is not None:
-        steps, step = load_config(run / CONFIG_FILE).train.steps, ckpt.load_trainer_state(path)["step"]
+        steps, step = load_saved_config(run).train.steps, ckpt.load_trainer_state(path)["step"]
         if step != steps:
             raise CheckpointError(f"train.init_from: {run} stopped at step {step} of {steps}; finish it with "
                                   f"--resume, or name its checkpoint directory ({path}) to start from that step")
@@ -461,7 +473,7 @@ def _check_out_dir(out: Path, config: RunConfig, resume: bool, overwrite: bool) 
         if not (out / CONFIG_FILE).is_file():
             raise CheckpointError(f"no checkpoint to resume in {out}: it is not a poslab run directory "
                                   f"(no {CONFIG_FILE})")
-        _check_same_run(load_config(out / CONFIG_FILE), config)
+        _check_same_run(load_saved_config(out), config)
     elif any(path.name not in OWN_TRANSIENTS for path in _children(out)):
         require(overwrite, f"output directory {out} is not empty; pass --resume to continue the run in it "
                            "or --overwrite to replace it")
