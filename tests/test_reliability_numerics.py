@@ -87,16 +87,32 @@ def test_non_finite_loss_or_gradient_stops_at_the_named_step(tmp_path, monkeypat
                        "stopped with one line naming the step and the last good checkpoint (step 2, finite)")
 
 
-def test_an_update_that_breaks_the_weights_never_finishes_a_run(tmp_path, reliability):
-    """Step 1's loss is finite, but its update leaves weights that are non-finite (lr 1e308) or finite and
-    exploded (lr 1e30: the logits overflow). Before the guards, a 1-step run finished with exit 0 and a NaN
-    evaluation, its checkpoint holding the broken weights. Now: non-finite weights are never saved, and an
-    evaluation (there is always a final one) with a non-finite loss stops the run."""
+def test_an_update_that_breaks_the_weights_never_finishes_a_run(tmp_path, reliability, monkeypatch):
+    """Step 1's loss is finite, but its update leaves weights that are non-finite (an update that overflows;
+    an lr past float32, which once did it, is now refused at config time) or finite and exploded (lr 1e30: the
+    logits overflow). Before the guards, a 1-step run finished with exit 0 and a NaN evaluation, its
+    checkpoint holding the broken weights. Now: non-finite weights are never saved, and an evaluation (there
+    is always a final one) with a non-finite loss stops the run."""
+    code, err = cli(["train", str(run_config(tmp_path / "c.yaml", lr=1e308)), "--out", str(tmp_path / "refused")])
+    assert code == 2 and "train.lr (1e+308) is too large" in err and not (tmp_path / "refused").exists()
+    real_step = torch.optim.AdamW.step
+
+    def overflowing_step(self, *args, **kwargs):
+        out = real_step(self, *args, **kwargs)
+        with torch.no_grad():
+            self.param_groups[0]["params"][0].mul_(math.inf)  # what an lr of 1e308 did to every weight
+        return out
+
     outcomes: Counter[str] = Counter()
-    for lr in (1e308, 1e30):
+    for lr in ("overflow", 1e30):
+        if lr == "overflow":
+            monkeypatch.setattr(torch.optim.AdamW, "step", overflowing_step)
+        else:
+            monkeypatch.undo()
         for steps, eval_every, checkpoint_every in itertools.product((1, 3), (0, 1), (0, 1)):
             out = tmp_path / f"run{sum(outcomes.values())}"
-            config = run_config(tmp_path / "c.yaml", lr=lr, grad_clip=0, steps=steps, eval_every=eval_every,
+            config = run_config(tmp_path / "c.yaml", lr=1e-2 if lr == "overflow" else lr, grad_clip=0, steps=steps,
+                                eval_every=eval_every,
                                 checkpoint_every=checkpoint_every)
             code, err = cli(["train", str(config), "--out", str(out)])
             found = re.search(r"training diverged: (weight \S+ is not finite after step 1|evaluation loss is nan at "
@@ -111,8 +127,8 @@ def test_an_update_that_breaks_the_weights_never_finishes_a_run(tmp_path, reliab
     # The one case the guards cannot see without an extra forward: finite, exploded weights saved mid-run at a
     # step without evaluation. The next step's loss stops the run and names that checkpoint, as it would for a
     # bad batch; its `previous` holds the weights before the update.
-    assert outcomes["loss (the last good)"] == 1, outcomes
-    reliability.record("numerics", "an update that breaks the weights: non-finite (lr 1e308) or finite but "
+    assert outcomes["loss (the last good)"] == 1 and outcomes["weight (no checkpoint)"] >= 1, outcomes
+    reliability.record("numerics", "an update that breaks the weights: non-finite (an overflowing step) or finite but "
                        "exploded (lr 1e30); 1 or 3 steps, with and without evaluation and checkpoints",
                        sum(outcomes.values()), "always exit 2 with one line naming the step, never a finished run; "
                        "no checkpoint holds non-finite weights; " + ", ".join(f"{n}x '{k}'" for k, n in
