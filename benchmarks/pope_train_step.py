@@ -103,7 +103,7 @@ def main() -> int:
         for name in MODELS:
             print(f"{n:>6} {b:>3} {name:>10} | {ms[name]:8.1f} {b * n / ms[name] * 1e3:9.0f} {peak[name]:9.0f} | "
                   f"{ms[name] / ms['rope']:5.2f}x {peak[name] / peak['rope']:5.2f}x")
-        del states
+        states.clear()  # free the three models before the next length
         torch.cuda.empty_cache()
     return 0
 
