@@ -15,8 +15,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from poslab.train import RunConfig, load_config, train
+from poslab.train import RunConfig, train
 from poslab.train.checkpoint import first_difference, load_trainer_state, resolve, weights_spec
+from poslab.train.trainer import load_saved_config
 from poslab.errors import CheckpointError, PoslabError
 
 FINAL = "final.json"
@@ -34,11 +35,9 @@ def finished(cfg: RunConfig, out: Path) -> dict[str, Any] | None:
     under other settings, finished or not, is refused (PoslabError): reused, its numbers would be reported as
     this config's; resumed, it would go on under a schedule it did not start with (or fail to: a recipe that
     now trains fewer steps than the run has)."""
-    if (out / "config.yaml").exists():
-        difference = trained_otherwise(cfg, out)
-        if difference is not None:
-            raise PoslabError(f"{out} was trained with other settings ({difference}) than this version of the "
-                              "recipe uses; delete it to train it again, or reproduce into another --out")
+    if (out / "config.yaml").exists() and (difference := trained_otherwise(cfg, out)) is not None:
+        raise PoslabError(f"{_stale(out, difference)} than this version of the recipe uses; delete it to train it "
+                          "again, or reproduce into another --out")
     final = out / FINAL
     if final.exists():
         try:
@@ -58,7 +57,7 @@ def trained_otherwise(cfg: RunConfig, out: Path) -> str | None:
         for section, keys in REUSABLE.items():
             raw[section] = {k: v for k, v in raw[section].items() if k not in keys}
         return raw
-    return first_difference(comparable(load_config(out / "config.yaml")), comparable(cfg), "run")
+    return first_difference(comparable(load_saved_config(out)), comparable(cfg), "run")
 
 
 def first_trained_otherwise(runs: dict[Any, tuple[dict[str, Any], Path]]) -> str | None:
@@ -70,11 +69,14 @@ def first_trained_otherwise(runs: dict[Any, tuple[dict[str, Any], Path]]) -> str
             continue
         model = config["model"]
         if model.get("vocab_size") is None:
-            model = {**model, "vocab_size": load_config(out / "config.yaml").model.vocab_size}
-        difference = trained_otherwise(RunConfig.from_dict({**config, "model": model}), out)
-        if difference is not None:
-            return f"{out} was trained with other settings ({difference})"
+            model = {**model, "vocab_size": load_saved_config(out).model.vocab_size}
+        if (difference := trained_otherwise(RunConfig.from_dict({**config, "model": model}), out)) is not None:
+            return _stale(out, difference)
     return None
+
+
+def _stale(out: Path, difference: str) -> str:
+    return f"{out} was trained with other settings ({difference})"
 
 
 def ensure_run(config: dict[str, Any], out: Path, log: Callable[[str], None]) -> dict[str, Any]:
