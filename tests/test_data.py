@@ -307,6 +307,28 @@ def test_bad_input_leaves_nothing_behind(tmp_path):
     assert _siblings(out) == []
 
 
+def test_tokenizer_never_learns_from_the_validation_documents(tmp_path):
+    """A word only the validation documents use stays out of a trained vocabulary; the same word in the
+    training documents gets in. Too few documents to train on is one clear error."""
+    corpus = tmp_path / "c.jsonl"
+
+    def write(unique_in_validation: bool) -> None:
+        docs = [f"Plain words in document {i}. Nothing rare here." for i in range(40)]
+        where = range(10) if unique_in_validation else range(10, 20)
+        for i in where:
+            docs[i] = "Quizzaciously quizzaciously quizzaciously. " + docs[i]
+        corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+
+    for unique_in_validation, learned in ((True, False), (False, True)):
+        write(unique_in_validation)
+        out = tmp_path / f"p{int(unique_in_validation)}"
+        prepare(_config(source={"type": "jsonl", "paths": str(corpus)}, tokenizer={**TOKENIZER, "vocab_size": 200}), out)
+        assert ("quizzaciously" in load_tokenizer(out / "tokenizer").get_vocab()) is learned
+    with pytest.raises(DataError, match="no documents to train the tokenizer on: validation_documents takes 40"):
+        prepare(_config(source={"type": "jsonl", "paths": str(corpus)}, validation_documents=40), tmp_path / "none")
+    assert not (tmp_path / "none").exists()
+
+
 def test_existing_output_needs_force(prepared, tmp_path):
     out = tmp_path / "d"
     prepare(_config(source={**SYNTH, "documents": 30}), out)

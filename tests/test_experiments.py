@@ -108,6 +108,22 @@ def test_another_scale_is_refused_and_keeps_the_results(tmp_path, fake_recipes):
     assert {name: (tmp_path / name).read_text() for name in before} == before
 
 
+def test_a_second_reproduction_into_a_busy_directory_is_refused(tmp_path, fake_recipes):
+    """Two reproductions into one --out trained the same runs side by side and raced on results.json."""
+    from poslab.train.lock import RunLock, RunLocked
+
+    held = RunLock(tmp_path)
+    held.acquire()
+    try:
+        with pytest.raises(RunLocked, match=f"^{re.escape(str(tmp_path))} is in use by another poslab run \\(pid "):
+            runner.reproduce(["all"], "smoke", tmp_path, log=lambda _: None)
+        assert fake_recipes == [] and not (tmp_path / "results.json").exists()
+    finally:
+        held.release()
+    runner.reproduce(["all"], "smoke", tmp_path, log=lambda _: None)  # free again: runs, and gives the lock back
+    assert fake_recipes == ["one", "two"] and not (tmp_path / ".lock").exists()
+
+
 def interrupt(recipe: str, monkeypatch) -> None:
     """Make a fake recipe stop as a Ctrl-C would stop it."""
     def boom(scale, out, log, jobs, device):

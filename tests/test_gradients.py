@@ -307,13 +307,13 @@ def test_learned_absolute_table_gradcheck():
     check(fn, (table, x), grad2=True)
 
 
-def test_sinusoidal_input_gradient_is_the_identity():
+def test_sinusoidal_input_gradient_is_the_token_scale():
     sinusoidal = build_positional(PositionalConfig("sinusoidal"), geometry())[0]
     x = rand(2, 3, 8)
     positions = torch.tensor([[0, 1, 2], [7, 8, 9]])
     check(lambda x: sinusoidal(x, positions), (x,))
     (grad,) = torch.autograd.grad(sinusoidal(x, positions).sum(), x)
-    assert torch.equal(grad, torch.ones_like(x))
+    torch.testing.assert_close(grad, torch.full_like(x, math.sqrt(8)))
 
 
 # --- whole models: the parameters reach the loss ----------------------------------------------------------

@@ -113,6 +113,13 @@ def test_sinusoidal_matches_vaswani():
     p, i = 7, 3
     assert out[0, p, 2 * i].item() == pytest.approx(math.sin(p / 10000 ** (2 * i / 16)), abs=1e-6)
     assert out[0, p, 2 * i + 1].item() == pytest.approx(math.cos(p / 10000 ** (2 * i / 16)), abs=1e-6)
+    # Token embeddings are scaled by sqrt(d) before the table is added (Vaswani et al. 3.4), unless told not to.
+    x = torch.randn(1, 10, 16)
+    torch.testing.assert_close(inp(x, torch.arange(10)[None]), x * 4 + out)
+    plain, _ = build_positional(PositionalConfig("sinusoidal", {"scale_tokens": False}), geometry)
+    torch.testing.assert_close(plain(x, torch.arange(10)[None]), x + out)
+    with pytest.raises(ConfigError, match="sinusoidal.scale_tokens must be true or false, got 'yes'"):
+        PositionalConfig("sinusoidal", {"scale_tokens": "yes"})
 
 
 def test_unknown_scheme_lists_valid_names():

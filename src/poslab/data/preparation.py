@@ -187,6 +187,33 @@ def _batches(docs: Iterator[Document], size: int) -> Iterator[list[Document]]:
         yield batch
 
 
+EMPTY_CORPUS = "the corpus is empty: the source yielded no document with text"
+
+
+def _trained_tokenizer(config: DataConfig, source: Any, log: Callable[[str], None]):
+    """A tokenizer trained on up to ``train_documents`` documents after the validation split: a vocabulary
+    learned on the validation documents would have seen the text the models are evaluated on."""
+    tcfg, skip = config.tokenizer, config.validation_documents
+    log(f"training a {tcfg.vocab_size}-token {tcfg.type} tokenizer on up to {tcfg.train_documents} documents "
+        f"after the {skip} validation documents")
+    seen = 0
+
+    def texts() -> Iterator[str]:
+        nonlocal seen
+        for document in itertools.islice(source.documents(), skip + tcfg.train_documents):
+            seen += 1
+            if seen > skip:
+                yield document_text(document)[0]
+
+    tok = train_tokenizer(tcfg, texts())
+    if not seen:
+        raise DataError(EMPTY_CORPUS)
+    if seen <= skip:
+        raise DataError(f"no documents to train the tokenizer on: validation_documents takes {skip} and the corpus "
+                        "has no more; lower validation_documents or name a trained tokenizer in tokenizer.path")
+    return tok
+
+
 def _write(config: DataConfig, root: Path, log: Callable[[str], None],
            evaluation_only: bool = False) -> dict[str, Any]:
     if evaluation_only and not config.validation_documents:
@@ -197,9 +224,7 @@ def _write(config: DataConfig, root: Path, log: Callable[[str], None],
     if tcfg.path is not None:
         tok, origin = load_tokenizer(tcfg.path), f"at {tcfg.path}"
     else:
-        log(f"training a {tcfg.vocab_size}-token {tcfg.type} tokenizer on up to {tcfg.train_documents} documents")
-        texts = (document_text(d)[0] for d in itertools.islice(source.documents(), tcfg.train_documents))
-        tok, origin = train_tokenizer(tcfg, texts), f"trained ({tcfg.type})"
+        tok, origin = _trained_tokenizer(config, source, log), f"trained ({tcfg.type})"
     ids = special_ids(tok, tcfg, origin)
     hf = save_tokenizer(tok, ids, tcfg, root / "tokenizer")
     vocab_size = len(hf)
@@ -233,7 +258,7 @@ def _write(config: DataConfig, root: Path, log: Callable[[str], None],
     seconds = time.perf_counter() - start
     splits = {name: w.summary() for name, w in writers.items()}
     if sum(split["tokens"] for split in splits.values()) == 0:
-        raise DataError("the corpus is empty: the source yielded no document with text")
+        raise DataError(EMPTY_CORPUS)
     if not evaluation_only and splits["train"]["tokens"] == 0:
         raise DataError(f"no training documents: the corpus has {n_docs} documents and validation_documents takes "
                         f"{config.validation_documents}; lower validation_documents")

@@ -6,7 +6,7 @@ are the source of truth: results.json and report.md are rebuilt from them (atomi
 recipe, so a damaged results.json is simply rewritten, and a damaged result.json counts as not finished.
 One DIR holds one scale: a run at another scale is refused (it would resume the other scale's trainings
 and drop its results from results.json). DIR/scale.json names it from the start, so the refusal holds before
-any recipe has finished too.
+any recipe has finished too. One reproduction at a time holds DIR/.lock (see poslab.train.lock).
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from poslab.errors import ConfigError, PoslabError, unknown_key_message
 from poslab.experiments.claims import Claim
 from poslab.experiments.common import ensure_runs, first_trained_otherwise
 from poslab.files import atomic_write_text
+from poslab.train.lock import RunLock
 from poslab.train.parallel import Parallel
 
 SCALES = ("quick", "paper", "smoke")  # smoke: seconds-long runs that exercise a recipe in tests
@@ -164,14 +165,22 @@ def reproduce(names: list[str], scale: str, out: str | Path, force: bool = False
     if not _is_main():
         log = lambda _: None  # noqa: E731  (other ranks stay silent)
     check_writable(out)
+    # Two reproductions into one DIR would train the same runs side by side and overwrite each other's
+    # results.json; rank 0 holds DIR/.lock for the whole reproduction (torchrun stops the other ranks if it
+    # refuses).
+    lock = RunLock(out) if _is_main() else None
+    if lock is not None:
+        left_by = lock.acquire()
+        if left_by:
+            log(f"took over {lock.path} from {left_by}, which is no longer running")
     # Under torchrun, one process group for the whole reproduction: the trainings and the ranks' agreement
     # on what to train (common.ensure_run) share it. The other ranks wait in that agreement while rank 0
     # analyses the previous recipe, which at paper scale can outlast the default 30-minute timeout. Their
     # trainings are data-parallel, never side by side.
     parallel = None
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        parallel, jobs = Parallel.setup(timeout=datetime.timedelta(hours=12)), 1
     try:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            parallel, jobs = Parallel.setup(timeout=datetime.timedelta(hours=12)), 1
         recipes = _run_recipes(names, scale, out, force, log, jobs, device)
         if parallel is not None:
             # Leave together: a rank that tore its gloo group down while rank 0 was still analysing the
@@ -180,6 +189,8 @@ def reproduce(names: list[str], scale: str, out: str | Path, force: bool = False
     finally:
         if parallel is not None:
             parallel.close()
+        if lock is not None:
+            lock.release()
     return {"recipes": recipes, "scale": scale}
 
 

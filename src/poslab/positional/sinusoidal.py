@@ -1,9 +1,13 @@
 """Fixed sinusoidal position embeddings (Vaswani et al. 2017), added to the token embeddings.
 
 PE[p, 2i] = sin(p / base^(2i/d)), PE[p, 2i+1] = cos(p / base^(2i/d)); computed on the fly, so any
-position works (no table limit).
+position works (no table limit). As in Vaswani et al. (section 3.4) the token embeddings are multiplied by
+sqrt(d) first (``scale_tokens``): the table's entries have RMS 1/sqrt(2), and token embeddings at the usual
+N(0, 0.02) init added unscaled would sit ~35x below it, so position would drown content at the start.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -16,9 +20,12 @@ from poslab.positional.options import options_dataclass
 class SinusoidalOptions:
     scheme = "sinusoidal"
     base: float = 10000.0
+    scale_tokens: bool = True
 
     def __post_init__(self) -> None:
         require(self.base > 1, f"sinusoidal.base must be > 1, got {self.base}")
+        require(isinstance(self.scale_tokens, bool),
+                f"sinusoidal.scale_tokens must be true or false, got {self.scale_tokens!r}")
 
 
 def sinusoidal_table(positions: torch.Tensor, d: int, base: float) -> torch.Tensor:
@@ -30,12 +37,14 @@ def sinusoidal_table(positions: torch.Tensor, d: int, base: float) -> torch.Tens
 
 
 class SinusoidalInput(InputPositional):
-    def __init__(self, d_model: int, base: float) -> None:
+    def __init__(self, d_model: int, base: float, scale_tokens: bool) -> None:
         super().__init__()
         self.d_model, self.base = d_model, base
+        self.token_scale = math.sqrt(d_model) if scale_tokens else 1.0
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return x + sinusoidal_table(positions, self.d_model, self.base).to(x.dtype)
+        """x (..., n, d_model) token embeddings, positions (..., n) -> (..., n, d_model)."""
+        return x * self.token_scale + sinusoidal_table(positions, self.d_model, self.base).to(x.dtype)
 
 
 class Sinusoidal(Scheme):
@@ -44,4 +53,4 @@ class Sinusoidal(Scheme):
 
     @classmethod
     def build(cls, options: SinusoidalOptions, geometry: AttentionGeometry):
-        return SinusoidalInput(geometry.d_model, options.base), [None] * geometry.n_layers
+        return SinusoidalInput(geometry.d_model, options.base, options.scale_tokens), [None] * geometry.n_layers
