@@ -450,6 +450,29 @@ def test_a_finished_run_trained_with_other_settings_is_not_reused(tmp_path):
         ensure_run(changed, tmp_path / "run", lambda _: None)
 
 
+def test_a_run_trained_on_data_an_older_poslab_made_is_not_reused(tmp_path, monkeypatch):
+    """The config alone does not say what data a run saw: a new task sampler or tokenizer training changes
+    the batches of the same config. A run records the data version (data.json) and a recipe refuses one made
+    with another, or with none recorded (a run from before the record)."""
+    import poslab.tasks
+    from poslab.experiments.common import ensure_run, first_trained_otherwise
+    from poslab.experiments.indirect_indexing import SCALES, run_config
+
+    config = run_config(SCALES["smoke"], "pope", 0)
+    ensure_run(config, tmp_path / "run", lambda _: None)
+    assert json.loads((tmp_path / "run" / "data.json").read_text()) == {"tasks": poslab.tasks.DATA_VERSION}
+    assert first_trained_otherwise({"pope": (config, tmp_path / "run")}) is None
+    monkeypatch.setattr(poslab.tasks, "DATA_VERSION", poslab.tasks.DATA_VERSION + 1)
+    new = poslab.tasks.DATA_VERSION
+    stale = rf"run was trained with other settings \(data version.tasks \({new - 1} there, {new} now\)\)"
+    with pytest.raises(PoslabError, match=stale + " than this version of the recipe uses; delete it"):
+        ensure_run(config, tmp_path / "run", lambda _: None)
+    assert re.search(stale, first_trained_otherwise({"pope": (config, tmp_path / "run")}))
+    (tmp_path / "run" / "data.json").unlink()
+    with pytest.raises(PoslabError, match=r"\(data version unknown: no readable data.json, as in runs from before"):
+        ensure_run(config, tmp_path / "run", lambda _: None)
+
+
 def test_a_damaged_final_json_is_written_again(tmp_path):
     """A final.json cut short (a full disk, a hand edit) is not a finished run's record: the run resumes from
     its last checkpoint, which is its end, and writes the record again."""

@@ -390,6 +390,40 @@ def test_output_directory_rules(tmp_path):
     assert load_config(tmp_path / "run/config.yaml").seed == 1
 
 
+def test_a_run_resumes_only_on_the_data_it_started_on(tmp_path, monkeypatch):
+    """The same config gives other batches once the code that makes them changes (a version bump): the rest
+    of a resumed run would train on other data than its start. A run from before data.json resumes and
+    records today's version."""
+    import poslab.tasks
+
+    run = tmp_path / "run"
+    train(RunConfig.from_dict(tiny_config(steps=2)), run)
+    assert json.loads((run / "data.json").read_text()) == {"tasks": poslab.tasks.DATA_VERSION}
+    monkeypatch.setattr(poslab.tasks, "DATA_VERSION", poslab.tasks.DATA_VERSION + 1)
+    more = RunConfig.from_dict(tiny_config(steps=3))
+    with pytest.raises(ConfigError, match=r"^cannot resume: data version.tasks \(\d+ there, \d+ now\); this poslab "
+                                          r"makes other batches than the run started on, so train it again with "
+                                          r"--overwrite$"):
+        train(more, run, resume=True)
+    (run / "data.json").unlink()
+    assert train(more, run, resume=True)["step"] == 3
+    assert json.loads((run / "data.json").read_text()) == {"tasks": poslab.tasks.DATA_VERSION}
+
+
+def test_a_text_run_records_its_preparation(tmp_path, monkeypatch):
+    """A corpus prepared from a source is keyed by the versions of the grammar, the tokenizer training and the
+    shard format: a new tokenizer training is another data version. A prepared directory is the user's."""
+    import poslab.data.preparation
+    from poslab.batches import data_version
+
+    options = {"source": {"type": "synthetic", "documents": 50}, "tokenizer": {"vocab_size": 300}}
+    before = data_version("lm", **options)
+    assert set(before) == {"text_batches", "preparation"}
+    monkeypatch.setattr(poslab.data.preparation, "TRAINING_VERSION", 99)
+    assert data_version("lm", **options)["preparation"] != before["preparation"]
+    assert data_version("mlm", prepared=str(tmp_path)) == {"text_batches": 1}
+
+
 def files(directory: Path) -> dict[str, bytes]:
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 

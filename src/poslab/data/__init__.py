@@ -23,12 +23,29 @@ from __future__ import annotations
 from typing import Any
 
 from poslab.data.config import DataConfig, MaskingConfig, TokenizerConfig
-from poslab.data.preparation import ensure_prepared, prepare
+from poslab.data.preparation import ensure_prepared, prepare, prepare_key
 from poslab.data.source import LMSource, MLMSource, TextBatchSource
 from poslab.data.store import STRUCTURE_KEYS, PreparedCorpus
 
 __all__ = ["DataConfig", "MaskingConfig", "TokenizerConfig", "PreparedCorpus", "TextBatchSource", "MLMSource",
-           "LMSource", "STRUCTURE_KEYS", "prepare", "ensure_prepared", "build_mlm_source", "build_lm_source"]
+           "LMSource", "STRUCTURE_KEYS", "prepare", "ensure_prepared", "build_mlm_source", "build_lm_source",
+           "data_version"]
+
+
+# Bump when the batches read from a prepared corpus change (packing, masking, labels), so runs trained on
+# the old ones are not reused as if trained on these (poslab.batches.data_version).
+BATCH_VERSION = 1
+
+
+def data_version(**options: Any) -> dict[str, Any]:
+    """What, beyond the config, decides a text source's batches: the batch code's version and, for a corpus
+    prepared from a source, its cache key (which hashes the grammar's, the tokenizer training's and the
+    shard format's versions). A corpus named by ``prepared`` is the user's: its path is in the config."""
+    config = DataConfig.from_options(options)
+    version: dict[str, Any] = {"text_batches": BATCH_VERSION}
+    if config.prepared is None:
+        version["preparation"] = prepare_key(config)
+    return version
 
 
 def build_mlm_source(seed: int, **options: Any) -> MLMSource:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from poslab.train import RunConfig, train
 from poslab.train.checkpoint import first_difference, load_trainer_state, resolve, weights_spec
-from poslab.train.trainer import load_saved_config
+from poslab.train.trainer import data_difference, load_saved_config
 from poslab.errors import CheckpointError, PoslabError
 
 FINAL = "final.json"
@@ -50,14 +50,16 @@ def finished(cfg: RunConfig, out: Path) -> dict[str, Any] | None:
 
 
 def trained_otherwise(cfg: RunConfig, out: Path) -> str | None:
-    """The first setting where the run in ``out`` (its config.yaml) differs from ``cfg``, or None."""
+    """The first setting where the run in ``out`` (its config.yaml) differs from ``cfg``, or where the data it
+    was trained on (its data.json) differs from what ``cfg`` gives with this poslab, or None."""
     def comparable(config: RunConfig) -> dict[str, Any]:
         raw = config.to_dict()
         raw["model"] = weights_spec(raw["model"])
         for section, keys in REUSABLE.items():
             raw[section] = {k: v for k, v in raw[section].items() if k not in keys}
         return raw
-    return first_difference(comparable(load_saved_config(out)), comparable(cfg), "run")
+    difference = first_difference(comparable(load_saved_config(out)), comparable(cfg), "run")
+    return difference if difference is not None else data_difference(out, cfg)
 
 
 def first_trained_otherwise(runs: dict[Any, tuple[dict[str, Any], Path]]) -> str | None:

@@ -28,6 +28,16 @@ TASKS: dict[str, type[Task]] = {
 }
 
 
+# Bump when the problems or batches a task config gives change, so runs trained on the old ones are not
+# reused as if trained on these (poslab.batches.data_version). 2: every split uniform over its lengths.
+DATA_VERSION = 2
+
+
+def data_version(**options: Any) -> dict[str, Any]:
+    """What, beyond the config, decides a task source's batches (see poslab.batches.data_version)."""
+    return {"tasks": DATA_VERSION}
+
+
 def get_task(name: str) -> type[Task]:
     return lookup("task", name, TASKS)
 
@@ -45,4 +55,4 @@ def build_batch_source(seed: int, name: str | None = None, **options: Any) -> Ta
 
 
 __all__ = ["TASKS", "CharTokenizer", "Task", "TaskOptions", "TaskSource", "build_batch_source", "build_task",
-           "evaluate", "exact_match", "get_task"]
+           "data_version", "evaluate", "exact_match", "get_task"]

@@ -1,6 +1,7 @@
 """The training loop: one process or many (torchrun), from a RunConfig to a run directory.
 
     DIR/config.yaml          the resolved run config (vocab size filled in)
+    DIR/data.json            the version of the code that made its data (poslab.batches.data_version)
     DIR/metrics.jsonl        training and evaluation records (see monitor.py)
     DIR/checkpoints/last     written every train.checkpoint_every steps and at the end
     DIR/checkpoints/best     written whenever the evaluation metric train.best_metric improves
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import random
@@ -35,6 +37,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_optimizer_state_dict
 
+from poslab.batches import data_version
 from poslab.errors import CheckpointError, ConfigError, DataError, InputError, PoslabError, require
 from poslab.files import atomic_write_text
 from poslab.models import build_model
@@ -47,7 +50,9 @@ from poslab.train.optim import build_optimizer, build_scheduler
 from poslab.train.parallel import Parallel, unwrap
 
 CONFIG_FILE = "config.yaml"
-OWN_TRANSIENTS = {LOCK_FILE, f".{CONFIG_FILE}.tmp"}  # what a run killed before writing config.yaml leaves
+DATA_FILE = "data.json"
+# What a run killed before writing config.yaml leaves (data.json is written just before it).
+OWN_TRANSIENTS = {LOCK_FILE, f".{CONFIG_FILE}.tmp", DATA_FILE, f".{DATA_FILE}.tmp"}
 CHECKPOINTS = "checkpoints"
 MODEL_INPUTS = ("input_ids", "attention_mask", "labels")  # other per-token labels are for probes, not the loss
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -474,6 +479,9 @@ def _check_out_dir(out: Path, config: RunConfig, resume: bool, overwrite: bool) 
             raise CheckpointError(f"no checkpoint to resume in {out}: it is not a poslab run directory "
                                   f"(no {CONFIG_FILE})")
         _check_same_run(load_saved_config(out), config)
+        if saved_data_version(out) is not None and (difference := data_difference(out, config)) is not None:
+            raise ConfigError(f"cannot resume: {difference}; this poslab makes other batches than the run started "
+                              "on, so train it again with --overwrite")
     elif any(path.name not in OWN_TRANSIENTS for path in _children(out)):
         require(overwrite, f"output directory {out} is not empty; pass --resume to continue the run in it "
                            "or --overwrite to replace it")
@@ -493,8 +501,31 @@ def _init_out_dir(out: Path, config: RunConfig, overwrite: bool) -> None:
             else:
                 path.unlink()
     out.mkdir(parents=True, exist_ok=True)
+    # A run that predates data.json and resumes records today's version: it is the data the run goes on with.
+    atomic_write_text(out / DATA_FILE, json.dumps(run_data_version(config), sort_keys=True))
     atomic_write_text(out / CONFIG_FILE, config.to_yaml())
     (out / CHECKPOINTS).mkdir(exist_ok=True)
+
+
+def run_data_version(config: RunConfig) -> dict[str, Any]:
+    """The data version ``config`` trains on with this poslab (see poslab.batches.data_version)."""
+    return json.loads(json.dumps(data_version(config.data.kind, **config.data.options)))
+
+
+def saved_data_version(run: Path) -> Any:
+    """What DIR/data.json of run directory ``run`` records (None when absent or unreadable)."""
+    try:
+        return json.loads((run / DATA_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def data_difference(run: Path, config: RunConfig) -> str | None:
+    """How the data ``config`` gives now differs from the data the run in ``run`` was trained on, or None."""
+    saved = saved_data_version(run)
+    if saved is None:
+        return f"data version unknown: no readable {DATA_FILE}, as in runs from before poslab recorded it"
+    return ckpt.first_difference(saved, run_data_version(config), "data version")
 
 
 def _children(directory: Path) -> list[Path]:
