@@ -401,8 +401,9 @@ def test_quick_tokenizers_keep_every_word_whole(recipe, tmp_path):
         section = dstg.data_section(dstg.SCALES["quick"], tmp_path)
     section = {k: v for k, v in section.items() if k not in ("kind", "cache_dir", "masking")}
     config = DataConfig(**section)
-    texts = [document_text(d)[0] for d in itertools.islice(open_source(config.source).documents(),
-                                                            config.tokenizer.train_documents)]
+    skip = config.validation_documents  # the tokenizer trains on the documents after the validation split
+    texts = [document_text(d)[0] for d in itertools.islice(open_source(config.source).documents(), skip,
+                                                            skip + config.tokenizer.train_documents)]
     tok = train_tokenizer(config.tokenizer, texts)
     vocab = tok.get_vocab()
     words = {w for t in texts for w, _ in tok.pre_tokenizer.pre_tokenize_str(tok.normalizer.normalize_str(t))}
