@@ -461,11 +461,11 @@ def test_a_run_trained_on_data_an_older_poslab_made_is_not_reused(tmp_path, monk
 
     config = run_config(SCALES["smoke"], "pope", 0)
     ensure_run(config, tmp_path / "run", lambda _: None)
-    assert json.loads((tmp_path / "run" / "data.json").read_text()) == {"tasks": poslab.tasks.DATA_VERSION}
+    assert json.loads((tmp_path / "run" / "data.json").read_text()) == {"task_problems": poslab.tasks.DATA_VERSION}
     assert first_trained_otherwise({"pope": (config, tmp_path / "run")}) is None
     monkeypatch.setattr(poslab.tasks, "DATA_VERSION", poslab.tasks.DATA_VERSION + 1)
     new = poslab.tasks.DATA_VERSION
-    stale = rf"run was trained with other settings \(data version.tasks \({new - 1} there, {new} now\)\)"
+    stale = rf"run was trained with other settings \(data version.task_problems \({new - 1} there, {new} now\)\)"
     with pytest.raises(PoslabError, match=stale + " than this version of the recipe uses; delete it"):
         ensure_run(config, tmp_path / "run", lambda _: None)
     assert re.search(stale, first_trained_otherwise({"pope": (config, tmp_path / "run")}))

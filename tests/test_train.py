@@ -398,16 +398,16 @@ def test_a_run_resumes_only_on_the_data_it_started_on(tmp_path, monkeypatch):
 
     run = tmp_path / "run"
     train(RunConfig.from_dict(tiny_config(steps=2)), run)
-    assert json.loads((run / "data.json").read_text()) == {"tasks": poslab.tasks.DATA_VERSION}
+    assert json.loads((run / "data.json").read_text()) == {"task_problems": poslab.tasks.DATA_VERSION}
     monkeypatch.setattr(poslab.tasks, "DATA_VERSION", poslab.tasks.DATA_VERSION + 1)
     more = RunConfig.from_dict(tiny_config(steps=3))
-    with pytest.raises(ConfigError, match=r"^cannot resume: data version.tasks \(\d+ there, \d+ now\); this poslab "
+    with pytest.raises(ConfigError, match=r"^cannot resume: data version.task_problems \(\d+ there, \d+ now\); this poslab "
                                           r"makes other batches than the run started on, so train it again with "
                                           r"--overwrite$"):
         train(more, run, resume=True)
     (run / "data.json").unlink()
     assert train(more, run, resume=True)["step"] == 3
-    assert json.loads((run / "data.json").read_text()) == {"tasks": poslab.tasks.DATA_VERSION}
+    assert json.loads((run / "data.json").read_text()) == {"task_problems": poslab.tasks.DATA_VERSION}
 
 
 def test_a_text_run_records_its_preparation(tmp_path, monkeypatch):
@@ -418,10 +418,26 @@ def test_a_text_run_records_its_preparation(tmp_path, monkeypatch):
 
     options = {"source": {"type": "synthetic", "documents": 50}, "tokenizer": {"vocab_size": 300}}
     before = data_version("lm", **options)
-    assert set(before) == {"text_batches", "preparation"}
+    assert set(before) == {"text_batches", "vocabulary"}
     monkeypatch.setattr(poslab.data.preparation, "TRAINING_VERSION", 99)
-    assert data_version("lm", **options)["preparation"] != before["preparation"]
+    assert data_version("lm", **options)["vocabulary"] != before["vocabulary"]
     assert data_version("mlm", prepared=str(tmp_path)) == {"text_batches": 1}
+
+
+def test_analysis_refuses_a_text_run_whose_corpus_another_version_prepared(tmp_path, monkeypatch):
+    """A new tokenizer training prepares the run's corpus afresh under another key, and its tokenizer may
+    number tokens otherwise: measuring the run on it would feed the model tokens it never learned."""
+    import poslab.data.preparation
+    from poslab.analysis.runs import Run
+    from poslab.errors import DataError
+
+    run = tmp_path / "run"
+    train(RunConfig.from_dict(tiny_mlm_config(tmp_path / "cache", steps=1)), run)
+    assert Run.load(run).config.seed == 0
+    monkeypatch.setattr(poslab.data.preparation, "TRAINING_VERSION", 99)
+    with pytest.raises(DataError, match=rf"^{re.escape(str(run))} was trained on a corpus another poslab version "
+                                        r"prepared \(data vocabulary \(.* there, .* now\)\): its tokenizer may"):
+        Run.load(run)
 
 
 def files(directory: Path) -> dict[str, bytes]:

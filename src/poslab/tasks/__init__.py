@@ -35,7 +35,7 @@ DATA_VERSION = 2
 
 def data_version(**options: Any) -> dict[str, Any]:
     """What, beyond the config, decides a task source's batches (see poslab.batches.data_version)."""
-    return {"tasks": DATA_VERSION}
+    return {"task_problems": DATA_VERSION}
 
 
 def get_task(name: str) -> type[Task]:

@@ -528,6 +528,15 @@ def data_difference(run: Path, config: RunConfig) -> str | None:
     return ckpt.first_difference(saved, run_data_version(config), "data version")
 
 
+def vocabulary_difference(run: Path, config: RunConfig) -> str | None:
+    """How the token ids ``config``'s data gives now may differ from those the run in ``run`` learned (the
+    ``vocabulary`` entry of its data.json), or None (also when its data has none, or no data.json)."""
+    saved = saved_data_version(run)
+    if not isinstance(saved, dict) or "vocabulary" not in saved:
+        return None
+    return ckpt.first_difference(saved["vocabulary"], run_data_version(config).get("vocabulary"), "data vocabulary")
+
+
 def _children(directory: Path) -> list[Path]:
     return list(directory.iterdir()) if directory.is_dir() else []
 
