@@ -275,6 +275,36 @@ def test_a_held_lock_refuses_a_run_before_it_writes_anything(tmp_path, reliabili
                        "refused in one line naming the holder; nothing written; runs once the lock is released")
 
 
+def test_a_held_reproduction_directory_refuses_a_second_reproduction(tmp_path, reliability):
+    out = tmp_path / "repro"
+    holder = RunLock(out)
+    holder.acquire()
+    try:
+        code, _, err = cli("reproduce", "indirect-indexing", "--scale", "smoke", "--out", str(out), "--jobs", "1")
+        assert code == 2 and err.count("\n") == 1
+        assert f"{out} is in use by another poslab run (pid {os.getpid()} on " in err
+        assert sorted(p.name for p in out.iterdir()) == [".lock"]
+    finally:
+        holder.release()
+    reliability.record("lock", "second `poslab reproduce` into an --out a live reproduction holds", 1,
+                       "refused in one line naming the holder, exit 2; nothing written")
+
+
+def test_a_run_resumes_only_on_data_this_poslab_makes_alike(runs, tmp_path, monkeypatch, reliability):
+    import poslab.tasks
+
+    config, three, _ = runs
+    run = copy_of(three, tmp_path / "run")
+    before = (run / "config.yaml").read_bytes(), (run / "data.json").read_bytes()
+    monkeypatch.setattr(poslab.tasks, "DATA_VERSION", poslab.tasks.DATA_VERSION + 1)
+    code, _, err = cli("train", str(config), "--out", str(run), "--resume", "--set", "train.steps=4")
+    assert code == 2 and err.count("\n") == 1 and "cannot resume: data version.task_problems (" in err, err
+    assert ((run / "config.yaml").read_bytes(), (run / "data.json").read_bytes()) == before
+    reliability.record("checkpoint", "--resume of a run whose data this poslab makes otherwise (a data version bump: "
+                       "new task sampler, tokenizer training)", 1,
+                       "refused in one line naming the version entry, exit 2; the run directory untouched")
+
+
 def test_lock_left_by_a_dead_owner_and_the_unlink_race(tmp_path, monkeypatch, reliability):
     directory = tmp_path / "a" / "b"
     first = RunLock(directory)
