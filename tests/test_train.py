@@ -424,6 +424,35 @@ def test_a_text_run_records_its_preparation(tmp_path, monkeypatch):
     assert data_version("mlm", prepared=str(tmp_path)) == {"text_batches": 1}
 
 
+def test_a_text_run_keeps_its_tokenizer_and_refuses_another(tmp_path):
+    """A trained text model is only usable with the tokenizer its ids came from: the run keeps it (loadable with
+    AutoTokenizer). A corpus prepared again can number tokens otherwise (tied merges): resuming or measuring
+    the run on such a corpus is refused. Task runs have no tokenizer to keep."""
+    from transformers import AutoTokenizer
+
+    from poslab.analysis.runs import Run
+    from poslab.errors import DataError
+
+    run = tmp_path / "run"
+    config = RunConfig.from_dict(tiny_mlm_config(tmp_path / "cache", steps=1))
+    train(config, run)
+    source = config.data.build(config.seed)
+    assert AutoTokenizer.from_pretrained(run / "tokenizer").get_vocab() == source.tokenizer.get_vocab()
+    assert len(Run.load(run).batches(2, 2)) == 1
+    saved = json.loads((run / "tokenizer/tokenizer.json").read_text())
+    vocab = saved["model"]["vocab"]
+    a, b = sorted(vocab)[-2:]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two tokens numbered otherwise
+    (run / "tokenizer/tokenizer.json").write_text(json.dumps(saved))
+    with pytest.raises(DataError, match=r"^cannot resume: the data's tokenizer is not the one the run trained with "
+                                        rf"\({re.escape(str(run / 'tokenizer/tokenizer.json'))}\); the rest"):
+        train(RunConfig.from_dict(tiny_mlm_config(tmp_path / "cache", steps=2)), run, resume=True)
+    with pytest.raises(DataError, match=rf"^cannot measure {re.escape(str(run))}: the data's tokenizer is not the one"):
+        Run.load(run).batches(2, 2)
+    train(RunConfig.from_dict(tiny_config(steps=1)), tmp_path / "task")
+    assert not (tmp_path / "task" / "tokenizer").exists()
+
+
 def test_analysis_refuses_a_text_run_whose_corpus_another_version_prepared(tmp_path, monkeypatch):
     """A new tokenizer training prepares the run's corpus afresh under another key, and its tokenizer may
     number tokens otherwise: measuring the run on it would feed the model tokens it never learned."""

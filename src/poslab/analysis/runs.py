@@ -16,7 +16,7 @@ from poslab.analysis.capture import take_batches
 from poslab.errors import CheckpointError, DataError, require
 from poslab.models import build_model
 from poslab.train.config import RunConfig
-from poslab.train.trainer import load_run, vocabulary_difference
+from poslab.train.trainer import load_run, tokenizer_difference, vocabulary_difference
 
 ANALYSIS_DIR = "analysis"
 DEVICES = ("auto", "cpu", "cuda")  # reproduce --analysis-device; analysis_device takes cuda:N and mps too
@@ -92,6 +92,10 @@ class Run:
         """The first ``sequences`` sequences of an evaluation split (default: the one training evaluated on),
         as the data is, not as training corrupts it: a masked LM's text without its [MASK]s and labels."""
         source = self.config.data.build(self.config.seed)
+        difference = tokenizer_difference(self.dir, source)
+        if difference is not None:
+            raise DataError(f"cannot measure {self.dir}: {difference}: its corpus was prepared again since, and "
+                            "its token ids would mean other tokens to the model; train the run again")
         return take_batches(source.sequence_batches(split or self.config.train.eval_split, batch_size), sequences)
 
 

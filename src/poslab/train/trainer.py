@@ -2,6 +2,7 @@
 
     DIR/config.yaml          the resolved run config (vocab size filled in)
     DIR/data.json            the version of the code that made its data (poslab.batches.data_version)
+    DIR/tokenizer/           a text run's tokenizer (AutoTokenizer-loadable), the one its token ids are from
     DIR/metrics.jsonl        training and evaluation records (see monitor.py)
     DIR/checkpoints/last     written every train.checkpoint_every steps and at the end
     DIR/checkpoints/best     written whenever the evaluation metric train.best_metric improves
@@ -51,8 +52,10 @@ from poslab.train.parallel import Parallel, unwrap
 
 CONFIG_FILE = "config.yaml"
 DATA_FILE = "data.json"
-# What a run killed before writing config.yaml leaves (data.json is written just before it).
-OWN_TRANSIENTS = {LOCK_FILE, f".{CONFIG_FILE}.tmp", DATA_FILE, f".{DATA_FILE}.tmp"}
+TOKENIZER_DIR = "tokenizer"
+# What a run killed before writing config.yaml leaves (data.json and the tokenizer are written just before it).
+OWN_TRANSIENTS = {LOCK_FILE, f".{CONFIG_FILE}.tmp", DATA_FILE, f".{DATA_FILE}.tmp", TOKENIZER_DIR,
+                  f".{TOKENIZER_DIR}.tmp"}
 CHECKPOINTS = "checkpoints"
 MODEL_INPUTS = ("input_ids", "attention_mask", "labels")  # other per-token labels are for probes, not the loss
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -151,6 +154,9 @@ class Trainer:
         parallel.barrier()  # every rank has looked before rank 0 touches the directory
 
         self.source = config.data.build(config.seed)
+        if resume and (difference := tokenizer_difference(self.out, self.source)) is not None:
+            raise DataError(f"cannot resume: {difference}; the rest of the run would read tokens numbered otherwise "
+                            "than its start, so train it again with --overwrite")
         evaluation.check(config, self.source)
         require(config.model.vocab_size >= self.source.vocab_size,
                 f"model.vocab_size ({config.model.vocab_size}) is smaller than the data's vocabulary "
@@ -200,7 +206,7 @@ class Trainer:
                 self.best = ckpt.load_resume_state(ckpt.resolve(self.out / CHECKPOINTS / "best",
                                                                self.notes.append))["best"]
         if parallel.is_main:
-            _init_out_dir(self.out, config, overwrite)
+            _init_out_dir(self.out, config, overwrite, hf_tokenizer(self.source))
             if resume:
                 truncate_metrics(self.out / METRICS_FILE, self.step)
             self.monitor = Monitor(self.out, cfg.steps, self.step)
@@ -489,7 +495,7 @@ def _check_out_dir(out: Path, config: RunConfig, resume: bool, overwrite: bool) 
                 f"--overwrite refuses to delete {out}: it is not a poslab run directory (no {CONFIG_FILE})")
 
 
-def _init_out_dir(out: Path, config: RunConfig, overwrite: bool) -> None:
+def _init_out_dir(out: Path, config: RunConfig, overwrite: bool, tokenizer: Any = None) -> None:
     """Called once everything is built, so a config error leaves no directory behind (rank 0 only).
     config.yaml goes first: a run killed later is a run directory that --resume recognises."""
     if overwrite:
@@ -503,6 +509,11 @@ def _init_out_dir(out: Path, config: RunConfig, overwrite: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
     # A run that predates data.json and resumes records today's version: it is the data the run goes on with.
     atomic_write_text(out / DATA_FILE, json.dumps(run_data_version(config), sort_keys=True))
+    if tokenizer is not None and not (out / TOKENIZER_DIR).is_dir():
+        tmp = out / f".{TOKENIZER_DIR}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(out / TOKENIZER_DIR)
     atomic_write_text(out / CONFIG_FILE, config.to_yaml())
     (out / CHECKPOINTS).mkdir(exist_ok=True)
 
@@ -535,6 +546,26 @@ def vocabulary_difference(run: Path, config: RunConfig) -> str | None:
     if not isinstance(saved, dict) or "vocabulary" not in saved:
         return None
     return ckpt.first_difference(saved["vocabulary"], run_data_version(config).get("vocabulary"), "data vocabulary")
+
+
+def hf_tokenizer(source: Any) -> Any:
+    """The transformers tokenizer a source's token ids come from (text corpora), else None (tasks)."""
+    tokenizer = getattr(source, "tokenizer", None)
+    return tokenizer if hasattr(tokenizer, "save_pretrained") and hasattr(tokenizer, "backend_tokenizer") else None
+
+
+def tokenizer_difference(run: Path, source: Any) -> str | None:
+    """Why ``source``'s tokenizer is not the one the run in ``run`` trained with (DIR/tokenizer), or None; also
+    None when either has none. A corpus prepared again under the same settings can differ: where merges tie,
+    the trainers' choice changes from process to process (poslab.data.tokenizer)."""
+    saved, tokenizer = run / TOKENIZER_DIR / "tokenizer.json", hf_tokenizer(source)
+    if tokenizer is None or not saved.is_file():
+        return None
+    try:
+        same = json.loads(saved.read_text()) == json.loads(tokenizer.backend_tokenizer.to_str())
+    except (OSError, ValueError) as err:
+        return f"{saved} is unreadable ({err})"
+    return None if same else f"the data's tokenizer is not the one the run trained with ({saved})"
 
 
 def _children(directory: Path) -> list[Path]:
