@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
+from poslab.errors import DataError
 from poslab.train import RunConfig, train
 from test_train import losses, tiny_config, tiny_mlm_config
 
@@ -76,3 +77,39 @@ def _assert_same_weights(run: Path, reference_run: Path) -> None:
     assert weights.keys() == reference.keys()
     for key, value in reference.items():
         torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=1e-5, msg=f"{run.name}: {key}")
+
+
+def _worker_on_own_cache(rank: int, root: str, raw: dict, port: int) -> None:
+    """A rank that prepared its corpus itself, as a node without a shared filesystem does."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(WORLD), TORCHELASTIC_USE_AGENT_STORE="True")
+    raw = {**raw, "data": {**raw["data"], "cache_dir": str(Path(root) / f"cache{rank}")}}
+    try:
+        train(RunConfig.from_dict(raw), Path(root) / "run")
+    except DataError as err:
+        (Path(root) / f"rank{rank}.err").write_text(str(err))
+
+
+def test_ranks_whose_tokenizers_differ_are_refused_together(tmp_path):
+    """Nodes that each prepare the corpus can get tokenizers that number tokens otherwise (tied merges): every
+    rank refuses before training. Rank 1's copy of the cache has two tokens swapped."""
+    import shutil
+
+    from poslab.data import ensure_prepared
+    from poslab.data.config import DataConfig as TextDataConfig
+
+    raw = tiny_mlm_config(tmp_path / "cache0", steps=1)
+    prepared = ensure_prepared(TextDataConfig.from_options({k: v for k, v in raw["data"].items() if k != "kind"}))
+    shutil.copytree(tmp_path / "cache0", tmp_path / "cache1")
+    tokenizer = tmp_path / "cache1" / prepared.relative_to(tmp_path / "cache0") / "tokenizer" / "tokenizer.json"
+    saved = json.loads(tokenizer.read_text())
+    a, b = sorted(saved["model"]["vocab"])[-2:]
+    saved["model"]["vocab"][a], saved["model"]["vocab"][b] = saved["model"]["vocab"][b], saved["model"]["vocab"][a]
+    tokenizer.write_text(json.dumps(saved))
+    store = _store()
+    mp.start_processes(_worker_on_own_cache, args=(str(tmp_path), raw, store.port), nprocs=WORLD, start_method="fork")
+    for rank in range(WORLD):
+        assert (tmp_path / f"rank{rank}.err").read_text().startswith(
+            "rank(s) 1 read a corpus whose tokenizer differs from rank 0's (each node prepared its own)")
+    assert not (tmp_path / "run").exists()

@@ -154,6 +154,7 @@ class Trainer:
         parallel.barrier()  # every rank has looked before rank 0 touches the directory
 
         self.source = config.data.build(config.seed)
+        _check_same_tokenizer_on_every_rank(parallel, self.source)
         if resume and (difference := tokenizer_difference(self.out, self.source)) is not None:
             raise DataError(f"cannot resume: {difference}; the rest of the run would read tokens numbered otherwise "
                             "than its start, so train it again with --overwrite")
@@ -552,6 +553,23 @@ def hf_tokenizer(source: Any) -> Any:
     """The transformers tokenizer a source's token ids come from (text corpora), else None (tasks)."""
     tokenizer = getattr(source, "tokenizer", None)
     return tokenizer if hasattr(tokenizer, "save_pretrained") and hasattr(tokenizer, "backend_tokenizer") else None
+
+
+def _check_same_tokenizer_on_every_rank(parallel: Parallel, source: Any) -> None:
+    """Refuse (on every rank together) when ranks read corpora whose tokenizers differ: nodes that prepare their
+    own cache (no shared filesystem) train their own tokenizers, which can number tokens otherwise where merges
+    tie, and DDP would then average gradients of token ids that mean other tokens on each node."""
+    tokenizer = hf_tokenizer(source)
+    mine = None if tokenizer is None else json.dumps(json.loads(tokenizer.backend_tokenizer.to_str()), sort_keys=True)
+    seen = parallel.gather(mine)
+    problem = None
+    if parallel.is_main and (others := [rank for rank, theirs in enumerate(seen) if theirs != seen[0]]):
+        problem = (f"rank(s) {', '.join(map(str, others))} read a corpus whose tokenizer differs from rank 0's (each "
+                   "node prepared its own); prepare it once where every node reads it (data.prepared, or a "
+                   "data.cache_dir on a shared filesystem)")
+    problem = parallel.broadcast(problem)
+    if problem:
+        raise DataError(problem)
 
 
 def tokenizer_difference(run: Path, source: Any) -> str | None:
