@@ -16,7 +16,8 @@ from poslab.analysis.capture import take_batches
 from poslab.errors import CheckpointError, DataError, require
 from poslab.models import build_model
 from poslab.train.config import RunConfig
-from poslab.train.trainer import load_run, tokenizer_difference, vocabulary_difference
+from poslab.train.provenance import tokenizer_difference, vocabulary_difference
+from poslab.train.trainer import load_run
 
 ANALYSIS_DIR = "analysis"
 DEVICES = ("auto", "cpu", "cuda")  # reproduce --analysis-device; analysis_device takes cuda:N and mps too

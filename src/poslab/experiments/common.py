@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from poslab.train import RunConfig, train
 from poslab.train.checkpoint import first_difference, load_trainer_state, resolve, weights_spec
-from poslab.train.trainer import data_difference, load_saved_config
+from poslab.train.provenance import data_difference
+from poslab.train.trainer import load_saved_config
 from poslab.errors import CheckpointError, PoslabError
 
 FINAL = "final.json"

@@ -1,8 +1,8 @@
 """The training loop: one process or many (torchrun), from a RunConfig to a run directory.
 
     DIR/config.yaml          the resolved run config (vocab size filled in)
-    DIR/data.json            the version of the code that made its data (poslab.batches.data_version)
-    DIR/tokenizer/           a text run's tokenizer (AutoTokenizer-loadable), the one its token ids are from
+    DIR/data.json            the version of the code that made its data   } what its data was:
+    DIR/tokenizer/           a text run's tokenizer (AutoTokenizer-loadable) } see provenance.py
     DIR/metrics.jsonl        training and evaluation records (see monitor.py)
     DIR/checkpoints/last     written every train.checkpoint_every steps and at the end
     DIR/checkpoints/best     written whenever the evaluation metric train.best_metric improves
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import random
@@ -38,7 +37,6 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_optimizer_state_dict
 
-from poslab.batches import data_version
 from poslab.errors import CheckpointError, ConfigError, DataError, InputError, PoslabError, require
 from poslab.files import atomic_write_text
 from poslab.models import build_model
@@ -49,10 +47,10 @@ from poslab.train.lock import LOCK_FILE, RunLock, RunLocked
 from poslab.train.monitor import METRICS_FILE, Monitor, truncate_metrics
 from poslab.train.optim import build_optimizer, build_scheduler
 from poslab.train.parallel import Parallel, unwrap
+from poslab.train.provenance import (DATA_FILE, TOKENIZER_DIR, check_same_tokenizer_on_every_rank, data_difference,
+                                     hf_tokenizer, record_data, saved_data_version, tokenizer_difference)
 
 CONFIG_FILE = "config.yaml"
-DATA_FILE = "data.json"
-TOKENIZER_DIR = "tokenizer"
 # What a run killed before writing config.yaml leaves (data.json and the tokenizer are written just before it).
 OWN_TRANSIENTS = {LOCK_FILE, f".{CONFIG_FILE}.tmp", DATA_FILE, f".{DATA_FILE}.tmp", TOKENIZER_DIR,
                   f".{TOKENIZER_DIR}.tmp"}
@@ -154,7 +152,7 @@ class Trainer:
         parallel.barrier()  # every rank has looked before rank 0 touches the directory
 
         self.source = config.data.build(config.seed)
-        _check_same_tokenizer_on_every_rank(parallel, self.source)
+        check_same_tokenizer_on_every_rank(parallel, self.source)
         if resume and (difference := tokenizer_difference(self.out, self.source)) is not None:
             raise DataError(f"cannot resume: {difference}; the rest of the run would read tokens numbered otherwise "
                             "than its start, so train it again with --overwrite")
@@ -508,82 +506,9 @@ def _init_out_dir(out: Path, config: RunConfig, overwrite: bool, tokenizer: Any 
             else:
                 path.unlink()
     out.mkdir(parents=True, exist_ok=True)
-    # A run that predates data.json and resumes records today's version: it is the data the run goes on with.
-    atomic_write_text(out / DATA_FILE, json.dumps(run_data_version(config), sort_keys=True))
-    if tokenizer is not None and not (out / TOKENIZER_DIR).is_dir():
-        tmp = out / f".{TOKENIZER_DIR}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tokenizer.save_pretrained(tmp)
-        tmp.rename(out / TOKENIZER_DIR)
+    record_data(out, config, tokenizer)
     atomic_write_text(out / CONFIG_FILE, config.to_yaml())
     (out / CHECKPOINTS).mkdir(exist_ok=True)
-
-
-def run_data_version(config: RunConfig) -> dict[str, Any]:
-    """The data version ``config`` trains on with this poslab (see poslab.batches.data_version)."""
-    return json.loads(json.dumps(data_version(config.data.kind, **config.data.options)))
-
-
-def saved_data_version(run: Path) -> Any:
-    """What DIR/data.json of run directory ``run`` records (None when absent or unreadable)."""
-    try:
-        return json.loads((run / DATA_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def data_difference(run: Path, config: RunConfig) -> str | None:
-    """How the data ``config`` gives now differs from the data the run in ``run`` was trained on, or None."""
-    saved = saved_data_version(run)
-    if saved is None:
-        return f"data version unknown: no readable {DATA_FILE}, as in runs from before poslab recorded it"
-    return ckpt.first_difference(saved, run_data_version(config), "data version")
-
-
-def vocabulary_difference(run: Path, config: RunConfig) -> str | None:
-    """How the token ids ``config``'s data gives now may differ from those the run in ``run`` learned (the
-    ``vocabulary`` entry of its data.json), or None (also when its data has none, or no data.json)."""
-    saved = saved_data_version(run)
-    if not isinstance(saved, dict) or "vocabulary" not in saved:
-        return None
-    return ckpt.first_difference(saved["vocabulary"], run_data_version(config).get("vocabulary"), "data vocabulary")
-
-
-def hf_tokenizer(source: Any) -> Any:
-    """The transformers tokenizer a source's token ids come from (text corpora), else None (tasks)."""
-    tokenizer = getattr(source, "tokenizer", None)
-    return tokenizer if hasattr(tokenizer, "save_pretrained") and hasattr(tokenizer, "backend_tokenizer") else None
-
-
-def _check_same_tokenizer_on_every_rank(parallel: Parallel, source: Any) -> None:
-    """Refuse (on every rank together) when ranks read corpora whose tokenizers differ: nodes that prepare their
-    own cache (no shared filesystem) train their own tokenizers, which can number tokens otherwise where merges
-    tie, and DDP would then average gradients of token ids that mean other tokens on each node."""
-    tokenizer = hf_tokenizer(source)
-    mine = None if tokenizer is None else json.dumps(json.loads(tokenizer.backend_tokenizer.to_str()), sort_keys=True)
-    seen = parallel.gather(mine)
-    problem = None
-    if parallel.is_main and (others := [rank for rank, theirs in enumerate(seen) if theirs != seen[0]]):
-        problem = (f"rank(s) {', '.join(map(str, others))} read a corpus whose tokenizer differs from rank 0's (each "
-                   "node prepared its own); prepare it once where every node reads it (data.prepared, or a "
-                   "data.cache_dir on a shared filesystem)")
-    problem = parallel.broadcast(problem)
-    if problem:
-        raise DataError(problem)
-
-
-def tokenizer_difference(run: Path, source: Any) -> str | None:
-    """Why ``source``'s tokenizer is not the one the run in ``run`` trained with (DIR/tokenizer), or None; also
-    None when either has none. A corpus prepared again under the same settings can differ: where merges tie,
-    the trainers' choice changes from process to process (poslab.data.tokenizer)."""
-    saved, tokenizer = run / TOKENIZER_DIR / "tokenizer.json", hf_tokenizer(source)
-    if tokenizer is None or not saved.is_file():
-        return None
-    try:
-        same = json.loads(saved.read_text()) == json.loads(tokenizer.backend_tokenizer.to_str())
-    except (OSError, ValueError) as err:
-        return f"{saved} is unreadable ({err})"
-    return None if same else f"the data's tokenizer is not the one the run trained with ({saved})"
 
 
 def _children(directory: Path) -> list[Path]:

@@ -1,0 +1,107 @@
+"""What a run's data was, kept with the run so that no later code reads other data as if it were the same.
+
+    DIR/data.json     the version of the code that made the run's batches (``poslab.batches.data_version``):
+                      the same config gives other batches once that code changes (a new task sampler, a new
+                      tokenizer training), so resume refuses another version and ``poslab reproduce`` does
+                      not reuse the run as if trained on today's data
+    DIR/tokenizer/    a text run's tokenizer, AutoTokenizer-loadable: a trained model is only usable with the
+                      tokenizer its ids came from, and a corpus prepared again can number tokens otherwise
+                      (where merges tie, the trainers' choice changes from process to process), which resume
+                      and analysis check
+
+Every rank of a distributed run checks that it reads a corpus tokenized as rank 0's is.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from poslab.batches import data_version
+from poslab.errors import DataError
+from poslab.files import atomic_write_text
+from poslab.train.checkpoint import first_difference
+from poslab.train.config import RunConfig
+from poslab.train.parallel import Parallel
+
+DATA_FILE = "data.json"
+TOKENIZER_DIR = "tokenizer"
+
+
+def record_data(out: Path, config: RunConfig, tokenizer: Any = None) -> None:
+    """Write DIR/data.json and, for a text run, DIR/tokenizer (kept when there: a resumed run checked it).
+    A run from before data.json that resumes records today's version: it is the data the run goes on with."""
+    atomic_write_text(out / DATA_FILE, json.dumps(run_data_version(config), sort_keys=True))
+    if tokenizer is not None and not (out / TOKENIZER_DIR).is_dir():
+        tmp = out / f".{TOKENIZER_DIR}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(out / TOKENIZER_DIR)
+
+
+def run_data_version(config: RunConfig) -> dict[str, Any]:
+    """The data version ``config`` trains on with this poslab (see poslab.batches.data_version)."""
+    return json.loads(json.dumps(data_version(config.data.kind, **config.data.options)))
+
+
+def saved_data_version(run: Path) -> Any:
+    """What DIR/data.json of run directory ``run`` records (None when absent or unreadable)."""
+    try:
+        return json.loads((run / DATA_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def data_difference(run: Path, config: RunConfig) -> str | None:
+    """How the data ``config`` gives now differs from the data the run in ``run`` was trained on, or None."""
+    saved = saved_data_version(run)
+    if saved is None:
+        return f"data version unknown: no readable {DATA_FILE}, as in runs from before poslab recorded it"
+    return first_difference(saved, run_data_version(config), "data version")
+
+
+def vocabulary_difference(run: Path, config: RunConfig) -> str | None:
+    """How the token ids ``config``'s data gives now may differ from those the run in ``run`` learned (the
+    ``vocabulary`` entry of its data.json), or None (also when its data has none, or no data.json)."""
+    saved = saved_data_version(run)
+    if not isinstance(saved, dict) or "vocabulary" not in saved:
+        return None
+    return first_difference(saved["vocabulary"], run_data_version(config).get("vocabulary"), "data vocabulary")
+
+
+def hf_tokenizer(source: Any) -> Any:
+    """The transformers tokenizer a source's token ids come from (text corpora), else None (tasks)."""
+    tokenizer = getattr(source, "tokenizer", None)
+    return tokenizer if hasattr(tokenizer, "save_pretrained") and hasattr(tokenizer, "backend_tokenizer") else None
+
+
+def check_same_tokenizer_on_every_rank(parallel: Parallel, source: Any) -> None:
+    """Refuse (on every rank together) when ranks read corpora whose tokenizers differ: nodes that prepare their
+    own cache (no shared filesystem) train their own tokenizers, which can number tokens otherwise where merges
+    tie, and DDP would then average gradients of token ids that mean other tokens on each node."""
+    tokenizer = hf_tokenizer(source)
+    mine = None if tokenizer is None else json.dumps(json.loads(tokenizer.backend_tokenizer.to_str()), sort_keys=True)
+    seen = parallel.gather(mine)
+    problem = None
+    if parallel.is_main and (others := [rank for rank, theirs in enumerate(seen) if theirs != seen[0]]):
+        problem = (f"rank(s) {', '.join(map(str, others))} read a corpus whose tokenizer differs from rank 0's (each "
+                   "node prepared its own); prepare it once where every node reads it (data.prepared, or a "
+                   "data.cache_dir on a shared filesystem)")
+    problem = parallel.broadcast(problem)
+    if problem:
+        raise DataError(problem)
+
+
+def tokenizer_difference(run: Path, source: Any) -> str | None:
+    """Why ``source``'s tokenizer is not the one the run in ``run`` trained with (DIR/tokenizer), or None; also
+    None when either has none. A corpus prepared again under the same settings can differ: where merges tie,
+    the trainers' choice changes from process to process (poslab.data.tokenizer)."""
+    saved, tokenizer = run / TOKENIZER_DIR / "tokenizer.json", hf_tokenizer(source)
+    if tokenizer is None or not saved.is_file():
+        return None
+    try:
+        same = json.loads(saved.read_text()) == json.loads(tokenizer.backend_tokenizer.to_str())
+    except (OSError, ValueError) as err:
+        return f"{saved} is unreadable ({err})"
+    return None if same else f"the data's tokenizer is not the one the run trained with ({saved})"
