@@ -23,7 +23,10 @@ def section(data: dict, out: str) -> str:
         f"`poslab reproduce all --scale {data['scale']} --out {out}`: {run_line(data)}",
         "",
         "Quick scale trains tiny models for minutes on a CPU; a claim that did not hold is reported as such "
-        f"(the per-recipe tables and figures are in `{out}/report.md`).",
+        f"(the per-recipe tables and figures are in `{out}/report.md`). Two runs on one machine give the same "
+        "values to the last digit, but another CPU rounds training otherwise, and claims decided by a small margin "
+        "can flip between machines: indirect indexing's three-seed mean, the YaRN comparison, DSTG's PCA gap and "
+        "head split (benchmarks/quick_search/FINDINGS.md, eleventh session).",
         "", *summary_table(data), ""])
 
 
