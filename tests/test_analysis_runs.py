@@ -405,6 +405,25 @@ def test_extrapolation_cli_eval_data(lm_run, tmp_path, capsys):
         assert "--eval-data file" in err and err.count("\n") == 1 and name in err
 
 
+def test_extrapolation_refuses_a_corpus_tokenized_otherwise_than_the_run(lm_run, tmp_path, capsys):
+    """Evaluation builds its sources from the run's config; a corpus whose tokenizer is not the run's own
+    (DIR/tokenizer; here a copy of the run with two tokens renumbered) is refused in one line."""
+    import shutil
+
+    from poslab.cli import main
+
+    run = shutil.copytree(lm_run / "run", tmp_path / "run", ignore=shutil.ignore_patterns("analysis"))
+    saved = json.loads((run / "tokenizer/tokenizer.json").read_text())
+    a, b = sorted(saved["model"]["vocab"])[-2:]
+    saved["model"]["vocab"][a], saved["model"]["vocab"][b] = saved["model"]["vocab"][b], saved["model"]["vocab"][a]
+    (run / "tokenizer/tokenizer.json").write_text(json.dumps(saved))
+    capsys.readouterr()
+    assert main(["analyze", "extrapolation", "--run", str(run), "--sequences", "2", "--factors", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"cannot measure {run}: the data's tokenizer is not the one the run" in err, err
+    assert not (run / "analysis").exists()
+
+
 def test_extrapolation_recipe_evaluates_the_paper_scale_on_pg19(tmp_path):
     """The paper's test set at paper scale (checked without downloading); quick and smoke read their own data."""
     from poslab.data.config import DataConfig

@@ -447,8 +447,9 @@ def test_a_text_run_keeps_its_tokenizer_and_refuses_another(tmp_path):
     with pytest.raises(DataError, match=r"^cannot resume: the data's tokenizer is not the one the run trained with "
                                         rf"\({re.escape(str(run / 'tokenizer/tokenizer.json'))}\); the rest"):
         train(RunConfig.from_dict(tiny_mlm_config(tmp_path / "cache", steps=2)), run, resume=True)
-    with pytest.raises(DataError, match=rf"^cannot measure {re.escape(str(run))}: the data's tokenizer is not the one"):
-        Run.load(run).batches(2, 2)
+    for measure in (lambda r: r.batches(2, 2), lambda r: r.source()):
+        with pytest.raises(DataError, match=rf"^cannot measure {re.escape(str(run))}: the data's tokenizer is not "):
+            measure(Run.load(run))
     train(RunConfig.from_dict(tiny_config(steps=1)), tmp_path / "task")
     assert not (tmp_path / "task" / "tokenizer").exists()
 

@@ -349,6 +349,7 @@ def extrapolation(run: Run, opts: Options) -> dict:
     for r in runs:
         base = training_length(r.config)
         lengths = [max(1, round(f * base)) for f in opts.factors]
+        r.source()  # evaluation builds its sources from the config: refuse here a corpus tokenized otherwise
         evaluated = evaluation_config(r.config, opts.eval_data)  # prepared and checked once, not per curve
         curves = {"none": evaluate_lengths(evaluated, r.model, lengths, opts.sequences, opts.batch_size)}
         if get_scheme(r.config.model.to_dict().get("positional", {}).get("name", "nope")).context_scaling:

@@ -89,14 +89,20 @@ class Run:
             torch.manual_seed(self.config.seed)
             return build_model(self.config.model).to(self.device).eval()
 
-    def batches(self, sequences: int, batch_size: int, split: str | None = None) -> list[dict[str, torch.Tensor]]:
-        """The first ``sequences`` sequences of an evaluation split (default: the one training evaluated on),
-        as the data is, not as training corrupts it: a masked LM's text without its [MASK]s and labels."""
+    def source(self):
+        """The run's data source (poslab.batches.BatchSource), refused when its tokenizer is not the one the run
+        trained with (DIR/tokenizer): measured on it, the model would read tokens it never learned."""
         source = self.config.data.build(self.config.seed)
         difference = tokenizer_difference(self.dir, source)
         if difference is not None:
             raise DataError(f"cannot measure {self.dir}: {difference}: its corpus was prepared again since, and "
                             "its token ids would mean other tokens to the model; train the run again")
+        return source
+
+    def batches(self, sequences: int, batch_size: int, split: str | None = None) -> list[dict[str, torch.Tensor]]:
+        """The first ``sequences`` sequences of an evaluation split (default: the one training evaluated on),
+        as the data is, not as training corrupts it: a masked LM's text without its [MASK]s and labels."""
+        source = self.source()
         return take_batches(source.sequence_batches(split or self.config.train.eval_split, batch_size), sequences)
 
 

@@ -156,6 +156,7 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
                                                 eval_data=evaluated))
     curves = {name: r["curves"] for name, r in data["runs"].items()}  # run names are their directories
     tuned = Run.load(out / "runs" / FINETUNED, device=device)
+    tuned.source()  # refuses a corpus tokenized otherwise than the run trained on (evaluate_lengths would not)
     lengths = [rec["length"] for rec in curves["pope"]["none"]]
     tuned_curve = [{**rec, "factor": rec["length"] / scale["seq_len"]}  # factors of the base training length
                    for rec in evaluate_lengths(tuned.config, tuned.model, lengths, scale["sequences"], 8,
