@@ -59,7 +59,6 @@ def data_version(kind: str, **options: Any) -> dict[str, Any]:
     """What decides a kind's batches beyond the config (versions of the code that makes them), from the
     config alone: nothing is prepared or drawn. A run records it (DIR/data.json) so that a run trained on
     data an older poslab made is neither resumed nor reused as if trained on today's. Every builder's
-    module defines ``data_version(**options)``; an entry ``vocabulary`` says what decides the token ids
-    (analysis refuses a run whose token ids it would read otherwise)."""
+    module defines ``data_version(**options)``."""
     module = lookup("data kind", kind, SOURCES).split(":")[0]
     return importlib.import_module(module).data_version(**options)

@@ -16,7 +16,7 @@ from poslab.analysis.capture import take_batches
 from poslab.errors import CheckpointError, DataError, require
 from poslab.models import build_model
 from poslab.train.config import RunConfig
-from poslab.train.provenance import tokenizer_difference, vocabulary_difference
+from poslab.train.provenance import tokenizer_difference
 from poslab.train.trainer import load_run
 
 ANALYSIS_DIR = "analysis"
@@ -59,11 +59,6 @@ class Run:
             problem = "is a file, not a run directory" if path.exists() else "does not exist"
             raise CheckpointError(f"{path} {problem}; pass the --out directory of `poslab train`")
         config, model = load_run(path, checkpoint)
-        difference = vocabulary_difference(path, config)
-        if difference is not None:
-            raise DataError(f"{path} was trained on a corpus another poslab version prepared ({difference}): its "
-                            "tokenizer may number tokens otherwise, so measuring it on today's would feed it tokens "
-                            "it never learned; analyse it with the poslab that trained it, or train it again")
         return cls(path, config, model.to(device).eval())
 
     @property

@@ -40,12 +40,12 @@ BATCH_VERSION = 1
 def data_version(**options: Any) -> dict[str, Any]:
     """What, beyond the config, decides a text source's batches: the batch code's version and, for a corpus
     prepared from a source, its cache key (which hashes the grammar's, the tokenizer training's and the
-    shard format's versions) as ``vocabulary``: another key may number tokens otherwise, which analysis
-    refuses (poslab.analysis.runs). A corpus named by ``prepared`` is the user's: its path is in the config."""
+    shard format's versions). A corpus named by ``prepared`` is the user's: its path is in the config.
+    Whether token ids still mean what a run learned is checked on the tokenizer itself (train/provenance.py)."""
     config = DataConfig.from_options(options)
     version: dict[str, Any] = {"text_batches": BATCH_VERSION}
     if config.prepared is None:
-        version["vocabulary"] = prepare_key(config)
+        version["preparation"] = prepare_key(config)
     return version
 
 

@@ -23,7 +23,9 @@ from poslab.data.config import TokenizerConfig
 from poslab.errors import DataError
 
 REQUIRED_ROLES = ("cls", "sep", "pad")
-TRAINING_VERSION = 3  # bump when trained tokenizers change (2: canonical ids, 3: validation documents left out): cached preparations are keyed by it
+# Bump when trained tokenizers change (2: canonical ids, 3: validation documents left out): cached preparations
+# are keyed by it.
+TRAINING_VERSION = 3
 
 
 def _wordpiece(cfg: TokenizerConfig, specials: list[str]) -> tuple[Tokenizer, trainers.Trainer]:

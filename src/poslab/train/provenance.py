@@ -61,15 +61,6 @@ def data_difference(run: Path, config: RunConfig) -> str | None:
     return first_difference(saved, run_data_version(config), "data version")
 
 
-def vocabulary_difference(run: Path, config: RunConfig) -> str | None:
-    """How the token ids ``config``'s data gives now may differ from those the run in ``run`` learned (the
-    ``vocabulary`` entry of its data.json), or None (also when its data has none, or no data.json)."""
-    saved = saved_data_version(run)
-    if not isinstance(saved, dict) or "vocabulary" not in saved:
-        return None
-    return first_difference(saved["vocabulary"], run_data_version(config).get("vocabulary"), "data vocabulary")
-
-
 def hf_tokenizer(source: Any) -> Any:
     """The transformers tokenizer a source's token ids come from (text corpora), else None (tasks)."""
     tokenizer = getattr(source, "tokenizer", None)
@@ -80,6 +71,8 @@ def check_same_tokenizer_on_every_rank(parallel: Parallel, source: Any) -> None:
     """Refuse (on every rank together) when ranks read corpora whose tokenizers differ: nodes that prepare their
     own cache (no shared filesystem) train their own tokenizers, which can number tokens otherwise where merges
     tie, and DDP would then average gradients of token ids that mean other tokens on each node."""
+    if not parallel.distributed:
+        return
     tokenizer = hf_tokenizer(source)
     mine = None if tokenizer is None else json.dumps(json.loads(tokenizer.backend_tokenizer.to_str()), sort_keys=True)
     seen = parallel.gather(mine)
