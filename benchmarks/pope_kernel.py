@@ -143,11 +143,11 @@ def main() -> int:
     configs = json.load(open(args.configs)) if args.configs else {}
     if configs:
         print(f"# launch configurations: {configs}")
-    from poslab.kernels.pope_flash import CUDA_BACKWARD
+    import poslab.kernels.pope_flash as pope_flash
 
-    print(f"# fused backward: {args.backward or f'the default per wide head dim, {CUDA_BACKWARD}'}")
     for d in args.head_dims:
         use_configs({**configs.get(str(d), {}), **({"bwd": args.backward} if args.backward else {})})
+        print(f"# d {d}: fused backward {pope_flash._backward_mode(d)}")  # --backward, else --configs, else the default
         for n in args.n:
             b, h = max(1, args.tokens // n), args.d_model // d
             q, k, v, delta, do = attention_inputs(b, h, n, d, dev)

@@ -19,9 +19,11 @@ from triton.compiler import ASTSource
 
 from poslab.kernels import pope_flash
 
-# "dkdq" is the dk/dv kernel with ATOMIC_DQ: the atomic backward's only kernel
+# "dkdq" is the dk/dv kernel with ATOMIC_DQ, the atomic backward's main kernel; "rowsum" and "dqfinish" are
+# its elementwise passes before and after
 KERNELS = {"fwd": pope_flash._fwd_kernel, "dq": pope_flash._bwd_dq_kernel, "dkdv": pope_flash._bwd_dkdv_kernel,
-           "dkdq": pope_flash._bwd_dkdv_kernel}
+           "dkdq": pope_flash._bwd_dkdv_kernel, "rowsum": pope_flash._bwd_rowsum_kernel,
+           "dqfinish": pope_flash._dq_finish_kernel}
 _POINTERS = {"LSE": "*fp32", "DSUM": "*fp32", "DELTA": "*fp32", "DDELTA": "*fp32", "TURNS32": "*fp32", "DQACC": "*fp32",
              "TURNS": "*fp64", "QSTART": "*i32", "KSTART": "*i32", "KLEN": "*i32", "QLEN": "*i32"}
 _TENSORS = ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "MQ", "MK")  # in the inputs' dtype
@@ -29,17 +31,18 @@ _TENSORS = ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "MQ", "MK")  # in the in
 
 def compile_kernel(kernel: str, d: int, launch: tuple[int, int, int, int], dtype: str = "bf16",
                    capability: int = 90, causal: bool = True):
-    """Compile one kernel ("fwd", "dq", "dkdv", "dkdq") for head dim d, launch (BLOCK_M, BLOCK_N, warps,
-    stages) and inputs of dtype ("bf16", "fp16", "fp32") for compute capability ``capability``, with a
-    delta. Returns Triton's compiled kernel (``asm["ptx"]``, ``metadata.shared`` in bytes)."""
+    """Compile one kernel (a key of KERNELS) for head dim d, launch (BLOCK_M, BLOCK_N, warps, stages; BLOCK_N
+    unused by the elementwise kernels) and inputs of dtype ("bf16", "fp16", "fp32") for compute capability
+    ``capability``, with a delta. Returns Triton's compiled kernel (``asm["ptx"]``, ``metadata.shared`` in
+    bytes)."""
     fn = KERNELS[kernel]
     if not isinstance(fn, triton.runtime.jit.JITFunction):
         raise RuntimeError("poslab.kernels.pope_flash was imported under TRITON_INTERPRET=1 in this process")
     block_m, block_n, warps, stages = launch
     constants = dict(D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, HAS_DELTA=True,
                      PRECISION="ieee" if dtype == "fp32" else "tf32")
-    if "ATOMIC_DQ" in fn.arg_names:
-        constants["ATOMIC_DQ"] = kernel == "dkdq"
+    constants["ATOMIC_DQ"] = kernel == "dkdq"
+    constants = {name: value for name, value in constants.items() if name in fn.arg_names}
     kinds = {**_POINTERS, **{name: f"*{dtype}" for name in _TENSORS}, "qk_scale": "fp32", "scale": "fp32"}
     signature = {name: "constexpr" if name in constants else kinds.get(name, "i32") for name in fn.arg_names}
     return triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", capability, 32),

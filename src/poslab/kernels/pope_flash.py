@@ -31,10 +31,10 @@ scheme): fewer matmuls, non-deterministic summation order, so deterministic runs
 
 Cost. The keys' Cartesian form is rebuilt for every query tile that reads them (and the queries' for
 every key tile in the dk/dv pass): O(n^2 d / BLOCK) elementwise work on top of FlashAttention's, the
-price of never storing q~/k~. Measured on an H200 with the split backward (BENCHMARKS.md): the forward
-pass is faster than RoPE through SDPA up to n = 2k, the forward+backward 1.0-2.7x RoPE's time (d = 64)
-and 1.2-3.7x (d = 128) from n = 1k to 16k, at 0.6x RoPE's peak memory. The atomic backward has not run on
-a GPU yet.
+price of never storing q~/k~. Measured on an H200 with the split backward (BENCHMARKS.md, 2026-11-30):
+the forward pass is faster than RoPE through SDPA up to n = 2k, the forward+backward 1.0-2.5x RoPE's time
+(d = 64) and 1.2-3.5x (d = 128) from n = 1k to 16k, at 0.6x RoPE's peak memory. The atomic backward is
+correct there too; at d = 64 its one kernel took 11-16% less time than the split pass's two.
 """
 from __future__ import annotations
 
@@ -463,22 +463,58 @@ def _bwd_dkdv_kernel(K, MQ, MK, V, DO, DK, DV, DQACC, DDELTA, LSE, DSUM, TURNS, 
         tl.store(DDELTA + (pid_bh * tl.num_programs(0) + pid_n) * D + offs_d, tl.sum(dphase, 0))
 
 
+@triton.jit
+def _row_block(X, sxb, sxh, sxn, H, D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Pointers (BLOCK_M, D) to the query rows of program (row block, batch * heads) in a (batch, heads, n,
+    D) tensor of the given strides, and their row indices (BLOCK_M,)."""
+    pid_bh = tl.program_id(1)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ptrs = X + (pid_bh // H) * sxb + (pid_bh % H) * sxh + offs_m[:, None] * sxn + tl.arange(0, D)[None, :]
+    return ptrs, offs_m
+
+
+@triton.jit
+def _bwd_rowsum_kernel(O, DO, DSUM, sob, soh, son, sdob, sdoh, sdon, H, NQ, D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """rowsum(dO * O) in fp32 into DSUM (batch * heads, n): what the atomic backward needs of a dq pass,
+    without the fp32 copies of both tensors that torch would make."""
+    o_ptrs, offs_m = _row_block(O, sob, soh, son, H, D, BLOCK_M)
+    do_ptrs, _ = _row_block(DO, sdob, sdoh, sdon, H, D, BLOCK_M)
+    row_in = offs_m[:, None] < NQ
+    o = tl.load(o_ptrs, mask=row_in, other=0.0).to(tl.float32)
+    do = tl.load(do_ptrs, mask=row_in, other=0.0).to(tl.float32)
+    tl.store(DSUM + tl.program_id(1) * NQ + offs_m, tl.sum(o * do, 1), mask=offs_m < NQ)
+
+
+@triton.jit
+def _dq_finish_kernel(DQACC, Q, DQ, sab, sah, san, sqb, sqh, sqn, sdqb, sdqh, sdqn, H, NQ, scale,
+                      D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """dq = DQACC * scale * sigmoid(q) in q's dtype, DQACC being the atomic backward's fp32 sum over key
+    tiles: softplus' derivative applied once per element, in one pass."""
+    acc_ptrs, offs_m = _row_block(DQACC, sab, sah, san, H, D, BLOCK_M)
+    q_ptrs, _ = _row_block(Q, sqb, sqh, sqn, H, D, BLOCK_M)
+    dq_ptrs, _ = _row_block(DQ, sdqb, sdqh, sdqn, H, D, BLOCK_M)
+    row_in = offs_m[:, None] < NQ
+    dq = tl.load(acc_ptrs, mask=row_in) * tl.sigmoid(tl.load(q_ptrs, mask=row_in).to(tl.float32)) * scale
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_in)
+
+
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head-dim class ("wide": d > 64) on CUDA: the
-# fastest of benchmarks/pope_kernel_configs.py's candidates on an H200 (bf16, causal, n 4096; Triton
-# 3.6), each checked there against PoPE through SDPA (BENCHMARKS.md).
-# "dkdq" is the dk/dv kernel of the atomic backward: tiles picked from ptxas's sm_90a register reports
-# (the fewest spills at a useful size), not yet timed.
+# fastest of benchmarks/pope_kernel_configs.py's candidates on an H200 (bf16, causal, n 4096; Triton 3.6,
+# 2026-11-30), each checked there against PoPE through SDPA (BENCHMARKS.md).
 CUDA_LAUNCH = {
-    ("fwd", False): (128, 64, 8, 3), ("fwd", True): (64, 32, 4, 2),
-    ("dq", False): (128, 32, 8, 2), ("dq", True): (64, 16, 4, 2),
-    ("dkdv", False): (32, 128, 8, 2), ("dkdv", True): (32, 32, 4, 2),
-    ("dkdq", False): (32, 128, 8, 2), ("dkdq", True): (16, 64, 8, 2),
+    ("fwd", False): (128, 64, 8, 3), ("fwd", True): (64, 32, 4, 3),
+    ("dq", False): (128, 64, 8, 2), ("dq", True): (64, 16, 4, 3),
+    ("dkdv", False): (32, 128, 8, 3), ("dkdv", True): (16, 64, 4, 2),
+    ("dkdq", False): (64, 128, 8, 2), ("dkdq", True): (16, 32, 4, 2),
 }
 # The backward pass per head-dim class. "split" (a dq kernel, then a dk/dv kernel) rebuilds the
 # probabilities twice: 11 d-wide matmuls per tile pair against FlashAttention-2's 5 for RoPE, so forward
 # and backward do (3 + 11) / (2 + 5) = 2x RoPE's matmul work. "atomic" (one dk/dv kernel adding dq into
-# fp32 with atomics, as FlashAttention-2 does) needs 8, 1.57x RoPE's work, at the price of fp32 atomic
-# traffic and a non-deterministic summation order. Measured on an H200 so far: split only (BENCHMARKS.md).
+# fp32 with atomics, as FlashAttention-2 does) needs 8, 1.57x RoPE's work, at the price of an fp32 dq
+# buffer, atomic traffic and a non-deterministic summation order. On the H200 (BENCHMARKS.md) the atomic
+# kernel beat the split pair at d 64 and lost at d 128 (19.0 vs 14.6 ms fwd+bwd at n 4096), but at d 64
+# its fp32 host-side passes then cost ~0.8 ms and 1.8x the memory, which left it 1-6% ahead at n >= 4k
+# and behind below. Those passes are Triton kernels now, not yet timed: split stays until they are.
 CUDA_BACKWARD = {False: "split", True: "split"}
 
 
@@ -488,6 +524,12 @@ def _launch_config(kernel: str, d: int) -> tuple[int, int, int, int]:
     if os.environ.get("TRITON_INTERPRET") == "1":
         return 16, 16, 4, 1
     return CUDA_LAUNCH[kernel, d > 64]
+
+
+def _rows_per_program() -> int:
+    """Query rows per program of the elementwise backward kernels (rowsum, dq finish): memory-bound, any
+    size that fills a few warps will do; the interpreter's 16 keeps small tests crossing ragged tails."""
+    return 16 if os.environ.get("TRITON_INTERPRET") == "1" else 64
 
 
 def _backward_mode(d: int) -> str:
@@ -557,7 +599,10 @@ class _PopeFlash(torch.autograd.Function):
         atomic = _backward_mode(d) == "atomic"
 
         if atomic:  # dq comes out of the dk/dv kernel; rowsum(dO * O) is all the dq kernel would add
-            dsum = (do.float() * o.float()).sum(-1)
+            dsum = torch.empty_like(lse)
+            rows = _rows_per_program()
+            _bwd_rowsum_kernel[(triton.cdiv(nq, rows), b * h)](
+                o, do, dsum, *o.stride()[:3], *do.stride()[:3], h, nq, D=d, BLOCK_M=rows)
             dq = torch.zeros((b, h, nq, d), device=q.device, dtype=torch.float32)
         else:
             dsum = torch.empty_like(lse)
@@ -579,7 +624,10 @@ class _PopeFlash(torch.autograd.Function):
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, ATOMIC_DQ=atomic, **flags,
         )
         if atomic:
-            dq = (dq * torch.sigmoid(q.float()) * ctx.scale).to(q.dtype)
+            dq_acc, dq = dq, torch.empty_like(q)
+            _dq_finish_kernel[(triton.cdiv(nq, rows), b * h)](
+                dq_acc, q, dq, *dq_acc.stride()[:3], *q.stride()[:3], *dq.stride()[:3], h, nq, ctx.scale,
+                D=d, BLOCK_M=rows)
         ddelta = ddelta.view(b, h, n_tiles, d).sum((0, 2)) if ctx.has_delta else None
         return dq, dk, dv, ddelta, None, None, None, None, None, None, None, None
 
