@@ -47,8 +47,8 @@ def make_step(values: dict, batch: int, seq: int, seed: int, ragged: bool):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", choices=("quick", "paper"), default="quick")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, help="default 16, or the recipe's batch with --recipe")
+    parser.add_argument("--seq", type=int, help="default 128, or the recipe's sequence length with --recipe")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
@@ -59,10 +59,14 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     if args.recipe:
-        sections = dstg.model_sections(dstg.SCALES[args.scale])
+        scale = dstg.SCALES[args.scale]
+        sections = dstg.model_sections(scale)
         configs = {name: {**sections[name], "vocab_size": 2048} for name in ("dstg", "rope_neobert")}
+        args.batch = args.batch or scale["train"]["batch_size"]
+        args.seq = args.seq or configs["dstg"]["max_seq_len"]
     else:
         configs = {name: ready_config(name, args.scale) for name in ("dstg", "rope_neobert")}
+    args.batch, args.seq = args.batch or 16, args.seq or 128
     configs.update({f"{name} dense": {**configs[name], "sparse_prediction": False} for name in list(configs)})
     steps = {name: make_step(values, args.batch, args.seq, 0, args.ragged) for name, values in configs.items()}
     for _ in range(args.warmup):
