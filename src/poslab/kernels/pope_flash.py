@@ -469,7 +469,8 @@ def _row_block(X, sxb, sxh, sxn, H, D: tl.constexpr, BLOCK_M: tl.constexpr):
     D) tensor of the given strides, and their row indices (BLOCK_M,)."""
     pid_bh = tl.program_id(1)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    ptrs = X + (pid_bh // H) * sxb + (pid_bh % H) * sxh + offs_m[:, None] * sxn + tl.arange(0, D)[None, :]
+    # int64 batch offset: a (batch, heads, n, D) tensor passes 2^31 elements at ~1M tokens of d_model 2048
+    ptrs = X + (pid_bh // H).to(tl.int64) * sxb + (pid_bh % H) * sxh + offs_m[:, None] * sxn + tl.arange(0, D)[None, :]
     return ptrs, offs_m
 
 
