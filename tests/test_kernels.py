@@ -64,15 +64,18 @@ def _inputs(b, h, nq, nk, d, with_delta, seed):
 
 
 def _compare(attention, *, dtype=torch.float32, tol=1e-5, b=2, h=2, nq=37, nk=None, d=32, with_delta=True,
-             seed=0, device="cpu", **options):
-    """Forward and every gradient (q, k, v, delta) of ``attention`` against the fp64 reference."""
+             seed=0, device="cpu", interleaved=False, **options):
+    """Forward and every gradient (q, k, v, delta) of ``attention`` against the fp64 reference. interleaved:
+    q, k, v and the output's gradient are (batch, heads, n, d) views of (batch, n, heads, d) memory, as a
+    model's projections give them."""
     q, k, v, delta = _inputs(b, h, nq, nq if nk is None else nk, d, with_delta, seed)
-    ours = [x.to(device, dtype, copy=True).requires_grad_() for x in (q, k, v)]
+    swap = (lambda x: x.transpose(1, 2)) if interleaved else (lambda x: x)
+    ours = [swap(swap(x).to(device, dtype, copy=True).contiguous()).requires_grad_() for x in (q, k, v)]
     if with_delta:
         ours.append(delta.to(device, copy=True).requires_grad_())  # delta stays fp32 (a parameter)
     out = attention(*ours, **options)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(device, dtype)
-    out.backward(grad)
+    out.backward(swap(swap(grad).contiguous()))
 
     exact = [x.to(torch.float64, copy=True).requires_grad_() for x in (q, k, v, delta) if x is not None]
     cpu_options = {key: val.cpu() if isinstance(val, torch.Tensor) else val for key, val in options.items()}
@@ -99,6 +102,7 @@ CASES = {
     "causal-positions-near-1e6": dict(causal=True, nq=23, q_start=10**6 - 9, k_start=10**6 - 9, base=500.0),
     "causal-d128": dict(causal=True, b=1, h=1, nq=21, d=128),
     "fp16-causal": dict(causal=True, nq=26, dtype=torch.float16, tol=5e-3),
+    "causal-padded-heads-interleaved": dict(causal=True, nq=23, seq_lens=torch.tensor([23, 14]), interleaved=True),
 }
 CHECKS = {f"matches-reference-{name}": functools.partial(_compare, **opts) for name, opts in CASES.items()}
 
@@ -182,7 +186,7 @@ def check_atomic_backward_matches_reference(attention):
     module._backward_mode = lambda d: "atomic"
     try:
         for name in ("causal-padded", "causal-decode-chunk", "bidirectional-d64-padded", "causal-d64-no-delta",
-                     "fp16-causal", "causal-positions-near-1e6"):
+                     "fp16-causal", "causal-positions-near-1e6", "causal-padded-heads-interleaved"):
             _compare(attention, **CASES[name])
         check_cuda_tiles_match_reference(attention)  # with the "dkdq" tiles
     finally:
