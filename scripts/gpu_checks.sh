@@ -6,9 +6,10 @@
 # Runs with the machine's own python3 (it must hold a CUDA torch, triton, transformers, numba, scipy,
 # pytest, hypothesis): poslab is imported from src/, nothing is installed or fetched. Each step appends its
 # output to one of at most eight files in $OUT (a device session brings back eight) and has its own time
-# limit; a failing step does not stop the later ones, and the exit code counts the failures. About 9
-# minutes on an H200 with the launch sweep (SWEEP=0 leaves it out, ~2.5 min less); TRAIN=1 adds two
-# 1,000-step paper-scale torchrun runs (~2.5 min).
+# limit; a failing step does not stop the later ones, and the exit code counts the failures. About 7.5
+# minutes on an H200 with the launch sweep (2026-11-30: 566 s, 140 of them a test step since trimmed;
+# SWEEP=0 leaves the sweep out, ~2.5 min less); TRAIN=1 adds two 1,000-step paper-scale torchrun runs
+# (~2.5 min).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-checks}
