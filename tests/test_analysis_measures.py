@@ -39,6 +39,9 @@ def test_pca_of_a_rank_two_smooth_table():
     assert summary["top2_explained"] == pytest.approx(1.0, abs=1e-5)
     # PC1 is ~ the half cosine (bin 1); PC2 the part of the ramp orthogonal to it (mostly bin 3).
     assert min(summary["low_bin_share"][:2]) > 0.8
+    # PC3 and PC4 carry no variance: no spectrum, rather than rounding noise scaled up to a unit of power
+    exact = spectrum_summary(table)
+    assert exact["dct_power"][2:] == [[0.0] * 64] * 2 and exact["low_bin_share"][2:] == [0.0, 0.0]
     noisy = spectrum_summary(torch.randn(64, 32))  # an entangled-looking table: no dominant smooth axes
     assert noisy["top2_explained"] < 0.25 and sum(noisy["low_bin_share"]) / 4 < 0.3
 

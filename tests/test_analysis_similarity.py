@@ -18,7 +18,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def same(a, b):
-    return torch.equal(torch.isnan(a), torch.isnan(b)) and torch.allclose(a.nan_to_num(0), b.nan_to_num(0), atol=1e-12)
+    return torch.equal(torch.isnan(a), torch.isnan(b)) and torch.allclose(a.nan_to_num(0), b.nan_to_num(0), rtol=0,
+                                                                          atol=1e-12)
 
 
 def test_functional_reexports_the_contract_names():

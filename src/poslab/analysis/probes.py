@@ -4,7 +4,8 @@ Layout everywhere: features ``(S, n, d)`` (S sequences of n tokens), targets ``(
 ``(S, n, t)``, and a token mask ``(S, n)`` bool (False = padding or no target there). Splits are by
 *sequence*, never by token: tokens of one sequence share context (and often a label), so a token
 split would let a probe memorise a sequence from its neighbours and score well without learning
-anything positional.
+anything positional. The probes take CPU tensors (``collect`` leaves captures there): their sums and
+networks are built on the CPU.
 
 Three probes:
   ridge_probe           linear, closed form, R^2 on held-out sequences (DSTG's layer-wise probes). One

@@ -126,7 +126,8 @@ def adjacency_row_scores_reference(sim: torch.Tensor) -> torch.Tensor:
         before = torch.triu(torch.ones(k, k, dtype=torch.bool), diagonal=1)  # i < j
         less = (v[:, :, None] < v[:, None, :]) & before
         equal = (v[:, :, None] == v[:, None, :]) & before
-        out[:, k] = (less.sum((1, 2)) + 0.5 * equal.sum((1, 2))) / (k * (k - 1) / 2)
+        # counts as float64: integer + 0.5 * integer would be a float32 sum, exact only to ~1e-7
+        out[:, k] = (less.sum((1, 2)).double() + 0.5 * equal.sum((1, 2)).double()) / (k * (k - 1) / 2)
         out[:, k] = torch.where(torch.isfinite(v).all(-1), out[:, k], float("nan"))
     return out.view(*sim.shape[:-1])
 

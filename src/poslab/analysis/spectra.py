@@ -38,10 +38,12 @@ def dct_power(signals: torch.Tensor) -> torch.Tensor:
 
 def spectrum_summary(table: torch.Tensor, components: int = 4, low_bins: int = 4) -> dict:
     """PCA ratios, cumulative share of the first two PCs, and the DCT power of the top components with the
-    share that falls in the first ``low_bins`` bins."""
+    share that falls in the first ``low_bins`` bins. A component without variance (the table's rank is
+    lower) has no spectrum: its power is all zeros, not its rounding noise normalised to 1."""
     ratios, scores = pca(table)
     k = min(components, scores.shape[0])
     power = dct_power(scores[:k])
+    power[ratios[:k] < 1e-12] = 0.0
     return {
         "n_positions": table.shape[0],
         "dim": table.shape[1],
