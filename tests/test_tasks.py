@@ -150,7 +150,20 @@ def test_adjacency_task_properties(data):
 def test_longest_sequences_reach_max_seq_len():
     for name, longest in (("reversal", 22), ("ordering", 18), ("indirect_indexing", 40), ("addition", 3)):
         source = build_batch_source(0, name, min_len=longest, max_len=longest, train_size=None, **SMALL)
-        assert source.train_batch(0, 256)["input_ids"].shape[1] == source.max_seq_len, name
+        assert source.train_batch(0, 256)["input_ids"].shape[1] == source.max_seq_len == source.max_train_len, name
+
+
+@pytest.mark.parametrize("name", ["addition", "reversal", "indexing", "ordering", "indirect_indexing"])
+def test_max_train_len_bounds_training_batches_and_test_long_goes_past_it(name):
+    """What the trainer checks the model against before step 1: no training batch is wider, and with
+    train_max_len the longer problems only reach the test_long split (up to max_seq_len)."""
+    # its defaults are the paper's strings of 20-40 letters and shifts up to 15
+    lengths = {"min_len": 10, "min_shift": -3, "max_shift": 3} if name == "indirect_indexing" else {}
+    source = build_batch_source(0, name, max_len=16, train_max_len=12, train_size=None, **lengths, **SMALL)
+    widths = [source.train_batch(step, 64)["input_ids"].shape[1] for step in range(8)]
+    assert max(widths) <= source.max_train_len < source.max_seq_len
+    longest = max(batch["input_ids"].shape[1] for batch in source.eval_batches("test_long", 64))
+    assert source.max_train_len < longest <= source.max_seq_len
 
 
 def prompts(batches, tokenizer) -> list[str]:

@@ -558,6 +558,52 @@ def test_the_memory_check_counts_the_model_from_two_layers(model):
         sum(b.numel() * b.element_size() for b in built.buffers()))
 
 
+def test_a_task_whose_later_batches_outgrow_the_model_is_refused_before_step_one(tmp_path):
+    """Task batches are as wide as their longest problem: reversal up to 22 characters gives batches of 8
+    from 36 to 42 tokens. A model of 40 positions fits the first batch and would stop at a later one, with a
+    max_seq_len that a resume cannot change: refused from the widest batch any step can draw."""
+    raw = tiny_config(steps=30)
+    raw["data"] = {**raw["data"], "name": "reversal", "min_len": 6, "max_len": 22}
+    raw["model"]["max_seq_len"] = 40
+    config = RunConfig.from_dict(raw)
+    assert config.data.build(0).train_batch(0, 8)["input_ids"].shape[1] <= 40  # the first batch fits
+    with pytest.raises(ConfigError, match=r"^the data has training sequences of up to 42 tokens but "
+                                          r"model.max_seq_len is 40; raise model.max_seq_len$"):
+        train(config, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_best_mode_follows_the_metric_and_a_contradiction_is_refused():
+    assert TrainConfig().best_mode == "min"
+    assert TrainConfig(best_metric="token_accuracy").best_mode == TrainConfig(best_metric="exact_match").best_mode == "max"
+    with pytest.raises(ConfigError, match=r"^train.best_mode min would keep the checkpoint with the lowest exact_match; "
+                                          r"use max, or leave best_mode out$"):
+        TrainConfig(best_metric="exact_match", best_mode="min")
+    with pytest.raises(ConfigError, match="highest loss; use min"):
+        TrainConfig(best_mode="max")
+
+
+def test_every_rank_keeps_the_best_checkpoint_by_rank_zero_s_numbers(tmp_path, monkeypatch):
+    """Ranks evaluate alone; a rank whose numbers differ in the last bit must not decide alone to save (a
+    collective): the trainer takes rank 0's numbers. Here "rank 0" (the broadcast) reports a loss that only
+    falls, this process's evaluation one that only rises: the best checkpoint follows the broadcast."""
+    real_evaluate = trainer_module.evaluation.evaluate
+    calls = []
+
+    def rising(*args, **kwargs):
+        metrics = real_evaluate(*args, **kwargs)
+        calls.append(None)
+        return {**metrics, "loss": float(len(calls))}
+
+    monkeypatch.setattr(trainer_module.evaluation, "evaluate", rising)
+    monkeypatch.setattr(trainer_module.Parallel, "broadcast",
+                        lambda self, obj: {**obj, "loss": -obj["loss"]} if isinstance(obj, dict) and "loss" in obj
+                        else obj)
+    train(RunConfig.from_dict(tiny_config(steps=3, eval_every=1)), tmp_path / "run")
+    best = json.loads((tmp_path / "run" / "checkpoints" / "best" / "trainer_state.json").read_text())["best"]
+    assert best == {"metric": "loss", "value": -3.0, "step": 3}
+
+
 def test_bad_vocab_sequence_length_and_lone_fsdp_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="train.fsdp shards the model over several processes"):
         train(RunConfig.from_dict(tiny_config(fsdp=True)), tmp_path / "c")
@@ -773,21 +819,23 @@ def test_generic_evaluation_is_loss_and_accuracy_on_labelled_tokens(arch):
     assert metrics["tokens"] == int(keep.sum()) and model.training
 
 
-def test_tensorboard_forgets_the_steps_a_resume_redoes(tmp_path, monkeypatch):
+@pytest.mark.parametrize("crash_at", [3, 1])
+def test_tensorboard_forgets_the_steps_a_resume_redoes(tmp_path, monkeypatch, crash_at):
     """metrics.jsonl is cut back to the checkpoint a crashed run resumes from; TensorBoard's curves must drop
-    the abandoned steps too, or they show two values at each redone step."""
+    the abandoned steps too, or they show two values at each redone step. Crashing at 3 resumes from the
+    step-2 checkpoint; crashing at 1, before any checkpoint, resumes from step 0."""
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     config = RunConfig.from_dict(tiny_config(steps=6, checkpoint_every=2))
     real_step = trainer_module.Trainer._train_step
 
-    def crash_after_step_3(self, step):
-        if step == 3:
-            raise KeyboardInterrupt  # step 3 was logged after the step-2 checkpoint, then lost
+    def crash(self, step):
+        if step == crash_at:
+            raise KeyboardInterrupt  # steps logged after the last checkpoint are lost
         return real_step(self, step)
 
-    monkeypatch.setattr(trainer_module.Trainer, "_train_step", crash_after_step_3)
+    monkeypatch.setattr(trainer_module.Trainer, "_train_step", crash)
     with pytest.raises(KeyboardInterrupt):
         train(config, tmp_path / "run")
     monkeypatch.undo()

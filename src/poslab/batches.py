@@ -25,6 +25,8 @@ from poslab.errors import lookup
 @runtime_checkable
 class BatchSource(Protocol):
     vocab_size: int
+    #: the widest training batch any step can draw (tokens per sequence), checked against the model before step 1
+    max_train_len: int
     #: the evaluation splits ``eval_batches`` serves; checked against train.eval_split before training
     splits: tuple[str, ...]
 

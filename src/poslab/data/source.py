@@ -32,12 +32,12 @@ class TextBatchSource(abc.ABC):
     """A ``poslab.batches.BatchSource`` over a prepared corpus; ``MLMSource`` and ``LMSource`` label it.
 
     Attributes: ``vocab_size``, ``tokenizer`` (transformers PreTrainedTokenizerFast), ``pad_token_id``,
-    ``seq_len``, ``corpus`` (PreparedCorpus), ``splits``.
+    ``seq_len`` (also ``max_train_len``: no batch is wider), ``corpus`` (PreparedCorpus), ``splits``.
     """
 
     def __init__(self, seed: int, config: DataConfig, corpus: PreparedCorpus) -> None:
         self.seed, self.config, self.corpus = int(seed), config, corpus
-        self.seq_len = config.seq_len
+        self.seq_len = self.max_train_len = config.seq_len
         self.vocab_size = corpus.vocab_size
         ids = corpus.special_ids
         self.cls_id, self.sep_id, self.pad_token_id = ids["cls"], ids["sep"], ids["pad"]

@@ -78,7 +78,7 @@ def data_shape(data: dict[str, Any], seed: int) -> tuple[int, int]:
         from poslab.tasks import build_batch_source
 
         source = build_batch_source(seed=seed, **options)
-        return source.vocab_size, source.max_seq_len
+        return source.vocab_size, source.max_train_len
     from poslab.data import DataConfig
 
     text = DataConfig.from_options(options)

@@ -54,9 +54,9 @@ class Addition(Task):
     def alphabet(self) -> str:
         return "0123456789+="
 
-    def max_chars(self) -> int:
+    def max_chars(self, max_len: int) -> int:
         # prompt l + '=', sum of at most l - 2 digit operands: l - 1 digits
-        return 2 * self.options.max_len
+        return 2 * max_len
 
     def sample(self, rng: np.random.Generator, lengths: np.ndarray) -> tuple[Ragged, Ragged]:
         a_lens = rng.integers(1, lengths - 1)

@@ -165,8 +165,8 @@ class Task(abc.ABC):
         return np.arange(self.options.min_len, self.options.max_len + 1)
 
     @abc.abstractmethod
-    def max_chars(self) -> int:
-        """The longest prompt plus answer, in characters."""
+    def max_chars(self, max_len: int) -> int:
+        """The longest prompt plus answer, in characters, of the problems of length at most ``max_len``."""
 
     @abc.abstractmethod
     def sample(self, rng: np.random.Generator, lengths: np.ndarray) -> tuple[Ragged, Ragged]:

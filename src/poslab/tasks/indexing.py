@@ -35,8 +35,8 @@ class Indexing(Task):
     def alphabet(self) -> str:
         return "0123456789wherx(,)="
 
-    def max_chars(self) -> int:
-        return self.options.max_len + 1 + len(str(self.options.max_len - OVERHEAD - 1))
+    def max_chars(self, max_len: int) -> int:
+        return max_len + 1 + len(str(max_len - OVERHEAD - 1))
 
     def sample(self, rng: np.random.Generator, lengths: np.ndarray) -> tuple[Ragged, Ragged]:
         n = lengths - OVERHEAD

@@ -75,10 +75,10 @@ class IndirectIndexing(Task):
     def alphabet(self) -> str:
         return self.options.letters + FORMAT_CHARS
 
-    def max_chars(self) -> int:
+    def max_chars(self, max_len: int) -> int:
         o = self.options
         shift = 1 + len(str(max(abs(o.min_shift), abs(o.max_shift))))
-        return o.max_len + 2 + 1 + 2 + shift + 2 + 1
+        return max_len + 2 + 1 + 2 + shift + 2 + 1
 
     def sample(self, rng: np.random.Generator, lengths: np.ndarray) -> tuple[Ragged, Ragged]:
         o, batch = self.options, len(lengths)

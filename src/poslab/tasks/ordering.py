@@ -49,8 +49,8 @@ class Ordering(Task):
         lengths = super().lengths()
         return lengths[(lengths - OVERHEAD) % 2 == 0]
 
-    def max_chars(self) -> int:
-        return self.options.max_len + 1 + (self.options.max_len - OVERHEAD) // 2
+    def max_chars(self, max_len: int) -> int:
+        return max_len + 1 + (max_len - OVERHEAD) // 2
 
     def sample(self, rng: np.random.Generator, lengths: np.ndarray) -> tuple[Ragged, Ragged]:
         n = (lengths - OVERHEAD) // 2

@@ -33,8 +33,8 @@ class Reversal(Task):
     def alphabet(self) -> str:
         return "0123456789rev()="
 
-    def max_chars(self) -> int:
-        return self.options.max_len + 1 + self.options.max_len - OVERHEAD
+    def max_chars(self, max_len: int) -> int:
+        return max_len + 1 + max_len - OVERHEAD
 
     def sample(self, rng: np.random.Generator, lengths: np.ndarray) -> tuple[Ragged, Ragged]:
         n = lengths - OVERHEAD

@@ -60,7 +60,9 @@ def problem_hash(prompt: Ragged, salt: int) -> np.ndarray:
 class TaskSource:
     """Batches of one task for training and evaluation (implements ``poslab.batches.BatchSource``).
 
-    ``max_seq_len`` is the longest sequence any split can produce (<bos> and <eos> included).
+    ``max_seq_len`` is the longest sequence any split can produce (<bos> and <eos> included),
+    ``max_train_len`` the longest a training batch can hold (shorter when ``train_max_len`` holds long
+    problems out for ``test_long``).
     """
 
     def __init__(self, task: Task, seed: int) -> None:
@@ -69,10 +71,11 @@ class TaskSource:
         self.task, self.options, self.seed = task, task.options, seed
         self.tokenizer = CharTokenizer("".join(sorted(set(task.alphabet()))))
         self.vocab_size = self.tokenizer.vocab_size
-        self.max_seq_len = 1 + task.max_chars() + int(task.end_token)
         o = self.options
         possible = task.lengths()
         cut = o.max_len if o.train_max_len is None else o.train_max_len
+        self.max_seq_len = 1 + task.max_chars(o.max_len) + int(task.end_token)
+        self.max_train_len = 1 + task.max_chars(cut) + int(task.end_token)
         self._lengths = {"train": possible[possible <= cut], "test_long": possible[possible > cut]}
         lengths = ", ".join(map(str, possible)) or "none"
         require(len(self._lengths["train"]) > 0,

@@ -49,7 +49,8 @@ class TrainConfig:
     micro-steps): a run's result does not depend on how many processes share it. ``eval_batches`` caps
     the generic evaluation (loss and token accuracy); task sources evaluate their whole split, whose
     size is a data option (``validation_size``). ``best_metric`` names an evaluation metric (loss,
-    token_accuracy, exact_match for tasks) and ``best_mode`` whether lower or higher is better; it and
+    token_accuracy, exact_match for tasks) and ``best_mode`` whether lower or higher is better (default: min
+    for loss, max for the accuracies, so that naming an accuracy alone keeps its best checkpoint); it and
     ``eval_split`` are checked against the data and model when training starts, before the first step.
     ``precision`` auto is bf16 autocast on CUDA and fp32 on CPU; ``device`` auto prefers CUDA.
     ``init_from`` fine-tunes: a checkpoint directory, or a run directory (its checkpoints/last), whose weights
@@ -73,7 +74,7 @@ class TrainConfig:
     eval_batch_size: int | None = None
     eval_batches: int | None = None
     best_metric: str = "loss"
-    best_mode: str = "min"
+    best_mode: str | None = None
     checkpoint_every: int = 0
     log_every: int = 10
     precision: str = "auto"
@@ -112,7 +113,15 @@ class TrainConfig:
                 f"train.eval_batch_size must be >= 1 or null (= batch_size), got {self.eval_batch_size}")
         require(self.eval_batches is None or self.eval_batches >= 1,
                 f"train.eval_batches must be >= 1 or null (the whole split), got {self.eval_batches}")
+        lower_is_better = self.best_metric == "loss"  # the others are accuracies (evaluation.check names them)
+        if self.best_mode is None:
+            self.best_mode = "min" if lower_is_better else "max"
         require(self.best_mode in ("min", "max"), f"train.best_mode must be min or max, got '{self.best_mode}'")
+        if self.best_metric in ("loss", "token_accuracy", "exact_match"):
+            right = "min" if lower_is_better else "max"
+            require(self.best_mode == right, f"train.best_mode {self.best_mode} would keep the checkpoint with the "
+                    f"{'highest' if lower_is_better else 'lowest'} {self.best_metric}; use {right}, or leave "
+                    "best_mode out")
         require(self.init_from is None or self.init_from.strip() != "",
                 "train.init_from must name a checkpoint or run directory, or be null")
         for name, valid in (("schedule", SCHEDULES), ("precision", PRECISIONS), ("device", DEVICES)):

@@ -3,8 +3,8 @@
 Task sources with a causal model use ``poslab.tasks.evaluate`` (loss, token accuracy and exact match on
 the answer). Every other pairing gets loss and accuracy over the labelled tokens (labels != -100), with
 the same target alignment as training: a causal model's logits at i are scored against labels at i + 1.
-Every rank evaluates the whole split (the numbers agree without a reduction, and FSDP's per-layer
-gathers need all ranks in the forward anyway), so keep evaluation sets small.
+Every rank evaluates the whole split (FSDP's per-layer gathers need all ranks in the forward anyway), so
+keep evaluation sets small; the trainer then takes rank 0's numbers on every rank.
 
 ``check`` refuses a split or ``train.best_metric`` that the evaluation would not find before training
 starts: with ``eval_every: 0`` the first evaluation is the final one, and failing there loses the run.

@@ -44,12 +44,13 @@ def _record_step(line: str) -> int | None:
 
 
 class Monitor:
-    def __init__(self, out_dir: Path, total_steps: int, start_step: int, stream: TextIO | None = None) -> None:
+    def __init__(self, out_dir: Path, total_steps: int, start_step: int, stream: TextIO | None = None,
+                 resumed: bool = False) -> None:
         self.total, self.start = total_steps, start_step
         self.stream = stream or sys.stderr
         self.started = time.perf_counter()
         self.metrics = open(out_dir / METRICS_FILE, "a", buffering=1)
-        self.tensorboard = _tensorboard(out_dir / "tensorboard", start_step)
+        self.tensorboard = _tensorboard(out_dir / "tensorboard", start_step if resumed else None)
         self.progress = None
         if self.stream.isatty():
             self.progress = Progress(
@@ -106,14 +107,15 @@ class Monitor:
         return f"{hours}:{minutes:02d}:{seconds:02d}"
 
 
-def _tensorboard(path: Path, start_step: int):
+def _tensorboard(path: Path, resumed_at: int | None):
     try:  # optional: TensorBoard is not a dependency
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         return None
     # A resumed run redoes the steps after its checkpoint: hide what a crashed run logged for them, as
-    # metrics.jsonl is cut back.
-    return SummaryWriter(str(path), purge_step=start_step + 1 if start_step else None)
+    # metrics.jsonl is cut back -- all of it when no checkpoint was reached (a resume from step 0).
+    purge = None if resumed_at is None else resumed_at + 1 if resumed_at else 0
+    return SummaryWriter(str(path), purge_step=purge)
 
 
 def _fmt(value: float) -> str:

@@ -39,7 +39,8 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) ->
 
 def lr_factor(cfg: TrainConfig) -> Callable[[int], float]:
     """Multiplier on cfg.lr for (0-based) step: linear warmup, the full lr at step warmup_steps - 1, then a
-    cosine to min_lr/lr at the last step (or constant).
+    cosine to min_lr/lr at the last step (or constant). A warmup as long as the run (warmup_steps == steps)
+    leaves no step to decay: the last step takes the full lr.
 
     Warmup starts at 1/warmup_steps rather than 0 so that the first update is not wasted.
     """

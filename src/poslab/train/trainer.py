@@ -160,12 +160,15 @@ class Trainer:
         require(config.model.vocab_size >= self.source.vocab_size,
                 f"model.vocab_size ({config.model.vocab_size}) is smaller than the data's vocabulary "
                 f"({self.source.vocab_size}); set model.vocab_size: null to take it from the data")
-        # One sequence per process first: its width sizes the memory check, which must come before the whole
-        # batch is drawn (a task source draws a batch of 1e11 problems for hours before memory runs out).
-        probe = self.source.train_batch(0, world, parallel.rank, world)
-        _check_memory(config, parallel, probe["input_ids"].shape[1])
+        # The widest batch any step can draw, not the first: a task batch is as wide as its longest problem, and
+        # a later step's can be wider, which would stop the run there (and max_seq_len cannot change on resume).
+        require(self.source.max_train_len <= config.model.max_seq_len,
+                f"the data has training sequences of up to {self.source.max_train_len} tokens but model.max_seq_len "
+                f"is {config.model.max_seq_len}; raise model.max_seq_len")
+        # Before the first batch is drawn: a task source draws a batch of 1e11 problems for hours before memory
+        # runs out. Sized by the widest batch, which a later step can draw.
+        _check_memory(config, parallel, self.source.max_train_len)
         batch = self.source.train_batch(0, cfg.batch_size, parallel.rank, world)
-        self._check_width(batch)
         _seed_everything(config.seed)  # the same initial weights on every rank
         model = build_model(config.model)
         last = self._resume_point() if resume else None
@@ -208,7 +211,7 @@ class Trainer:
             _init_out_dir(self.out, config, overwrite, hf_tokenizer(self.source))
             if resume:
                 truncate_metrics(self.out / METRICS_FILE, self.step)
-            self.monitor = Monitor(self.out, cfg.steps, self.step)
+            self.monitor = Monitor(self.out, cfg.steps, self.step, resumed=resume)
             for note in self.notes:
                 self.monitor.message(note)
             if last is not None:
@@ -310,7 +313,6 @@ class Trainer:
         t0 = time.perf_counter()
         batch = self.source.train_batch(step, cfg.batch_size, par.rank, par.world_size)
         data_seconds = time.perf_counter() - t0
-        self._check_width(batch)
         inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
         micro = [dict(zip(inputs, parts)) for parts in zip(*(v.tensor_split(cfg.grad_accum) for v in inputs.values()))]
         counts = [int((evaluation.targets(mb["labels"], causal) != -100).sum()) for mb in micro]
@@ -344,12 +346,6 @@ class Trainer:
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": batch["input_ids"].numel() * par.world_size,
                 "seconds": time.perf_counter() - t0, "data_seconds": data_seconds}
 
-    def _check_width(self, batch: dict[str, torch.Tensor]) -> None:
-        width = batch["input_ids"].shape[1]
-        if width > self.config.model.max_seq_len:
-            raise ConfigError(f"the data has sequences of {width} tokens but model.max_seq_len is "
-                              f"{self.config.model.max_seq_len}; raise model.max_seq_len")
-
     def _diverged(self, what: str) -> None:
         last = self.out / CHECKPOINTS / "last"
         try:
@@ -368,6 +364,9 @@ class Trainer:
 
     def _evaluate(self, log: bool = True) -> tuple[int, dict[str, float]]:
         metrics = evaluation.evaluate(unwrap(self.model), self.source, self.config, self.device, self.autocast)
+        # Ranks compute the same numbers, unless a kernel or a mix of GPUs rounds otherwise: then one rank alone
+        # would enter the collective _save below and every rank would hang.
+        metrics = self.parallel.broadcast(metrics)
         ckpt.crash_point("evaluate")
         if self.monitor is not None and log:
             self.monitor.log_eval(self.step, metrics)
