@@ -292,6 +292,10 @@ def test_round_trip_through_auto_classes(extra):
         trunk = AutoModel.from_pretrained(d).eval()
     assert isinstance(config, DSTGNeoBertConfig) and config.spec == m.config.spec
     assert isinstance(loaded, DSTGNeoBertForMaskedLM) and isinstance(trunk, DSTGNeoBertModel)
+    # loading replaces the parameters: the ones no gradient reaches stay frozen (DDP would wait for them)
+    frozen = {name for name, p in m.named_parameters() if not p.requires_grad}
+    assert {name for name, p in loaded.named_parameters() if not p.requires_grad} == frozen
+    assert bool(frozen) == bool(m.config.spec.d_ap)
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, m(ids).logits)
         assert torch.equal(trunk(ids).semantic_state, m.semantic_states(ids))

@@ -146,6 +146,29 @@ def test_tied_embeddings_share_storage():
     assert model("decoder", "rope").lm_head.weight.data_ptr() != model("decoder", "rope").model.embed.weight.data_ptr()
 
 
+def test_tied_embeddings_are_refused_for_encoders():
+    """The masked-LM head has its own decoder and bias (NeoBERT's): a tie asked for would be silently ignored,
+    while the saved Hugging Face config said tie_word_embeddings."""
+    with pytest.raises(ConfigError, match="^tie_embeddings is for decoders"):
+        model("encoder", "rope", tie_embeddings=True)
+
+
+def test_a_preallocated_kv_cache_is_refused():
+    """A StaticCache returns all its slots, the empty ones too: attention over them gave other logits than the
+    full forward (by up to 0.28), so it is refused; the growing cache generate uses by default matches."""
+    from transformers import DynamicCache, StaticCache
+
+    m = model("decoder", "rope")
+    ids = torch.randint(0, 30, (1, 8))
+    with torch.no_grad():
+        full = m(ids).logits
+        cache = DynamicCache()
+        steps = [m(ids[:, :5], cache=cache).logits, *(m(ids[:, i:i + 1], cache=cache).logits for i in range(5, 8))]
+        torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-4)
+        with pytest.raises(InputError, match="not a preallocated one such as StaticCache"):
+            m(ids[:, :5], cache=StaticCache(config=m.config, max_cache_len=16))
+
+
 @pytest.mark.parametrize("scheme", ["rope", "pope", "alibi"])
 def test_generate_is_greedy_decoding(scheme):
     m = model("decoder", scheme)

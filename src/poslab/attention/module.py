@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from poslab.attention.core import attend
-from poslab.errors import ConfigError
+from poslab.errors import ConfigError, InputError
 from poslab.positional.base import LayerPositional
 
 
@@ -64,6 +64,12 @@ class MultiHeadAttention(nn.Module):
         if kv_cache is not None:
             past = kv_cache.get_seq_length(self.layer_idx)
             k, v = kv_cache.update(k, v, self.layer_idx)
+            # A preallocated cache (StaticCache) returns every slot, the empty ones too, which the mask would
+            # let the queries see: the keys must be exactly the past and the new tokens.
+            if k.shape[-2] != past + n:
+                raise InputError(f"the KV cache returned {k.shape[-2]} keys for {past} cached and {n} new tokens: "
+                                 "poslab models take a cache that grows with the sequence (transformers' "
+                                 "DynamicCache, generate's default), not a preallocated one such as StaticCache")
             k_positions = torch.cat([torch.arange(past, device=x.device)[None].expand(positions.shape[0], -1) +
                                      (positions[:, :1] - past), positions], dim=1)
         if pos is not None:

@@ -66,6 +66,9 @@ class ModelConfig:
                 f"attn_backend must be one of {', '.join(BACKENDS)}, got '{self.attn_backend}'")
         require(self.pad_token_id is None or 0 <= self.pad_token_id < self.vocab_size,
                 f"pad_token_id must lie in [0, vocab_size), got {self.pad_token_id}")
+        # The masked-LM head has a bias and its own decoder (NeoBERT's); only decoders tie theirs to the embedding.
+        require(not (self.tie_embeddings and not self.causal),
+                "tie_embeddings is for decoders (arch: decoder); the encoder's masked-LM head keeps its own weights")
         require(not (self.sparse_prediction and self.causal),
                 "sparse_prediction is for masked-LM encoders (arch: encoder); remove it from the decoder's config")
 

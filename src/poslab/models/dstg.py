@@ -294,8 +294,9 @@ class DSTGNeoBertModel(DSTGPreTrainedModel):
 
     def semantic_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                         position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """(b, n, d_sem): the final semantic stream, into which no position embedding is ever added
-        (position reaches it only through which tokens attention mixes) -- for retrieval caching."""
+        """(b, n, d_sem): the final semantic stream. No position embedding is added to it, but position still
+        reaches it, through which tokens attention mixes and through every FFN, whose input is [AP | sem]: the
+        same text at other positions gives other semantic states."""
         return self(input_ids, attention_mask, position_ids).semantic_state
 
 
@@ -308,13 +309,22 @@ class DSTGNeoBertForMaskedLM(DSTGPreTrainedModel):
         self.model = DSTGNeoBertModel(config)
         self.mlm_head = MLMHead(config.spec.d_sem, config.spec.vocab_size)
         self.post_init()
-        # The head reads the semantic stream only, so what writes the last AP state -- the last FFN's AP
-        # down-projection and the final AP norm -- can never get a gradient. Frozen, they keep their init as
-        # before, but stay out of the optimizer (whose saved state a resume must match) and out of DDP's
-        # gradient reduction (which would wait for them).
+        self._freeze_unreachable()
+
+    def _freeze_unreachable(self) -> None:
+        """The head reads the semantic stream only, so what writes the last AP state -- the last FFN's AP
+        down-projection and the final AP norm -- can never get a gradient. Frozen, they keep their init as
+        before, but stay out of the optimizer (whose saved state a resume must match) and out of DDP's
+        gradient reduction (which would wait for them)."""
         if self.model.spec.d_ap:
             self.model.blocks[-1].mlp.down["ap"].requires_grad_(False)
             self.model.final_norm.norms["ap"].requires_grad_(False)
+
+    def tie_weights(self, *args, **kwargs):
+        """Nothing to tie (the MLM decoder is untied); from_pretrained calls this after loading, whose new
+        parameters would otherwise make the unreachable ones trainable again."""
+        super().tie_weights(*args, **kwargs)
+        self._freeze_unreachable()
 
     def get_output_embeddings(self) -> nn.Module:
         return self.mlm_head.decoder
