@@ -27,6 +27,11 @@ def test_claims_are_computed_from_the_values():
     assert claims.all_of("c", "x", {"t1": 0.9, "t2": 0.85}, 0.8).held
     assert not claims.all_of("c", "x", {"t1": 0.9, "t2": 0.75}, 0.8).held
     assert claims.at_most("c", "x", 1.05, 1.1).held and not claims.at_most("c", "x", 1.2, 1.1).held
+    # above is at_most's complement at the same threshold: no value is both flat and degrading
+    assert all(claims.above("c", "x", v, 1.1).held != claims.at_most("c", "x", v, 1.1).held for v in (1.05, 1.1, 1.2))
+    assert not claims.above("c", "x", math.nan, 1.1).held
+    assert claims.all_within("c", "x", {"a": 0.45, "b": 0.6}, 0.4, 0.6).held
+    assert not claims.all_within("c", "x", {"a": 0.45, "b": 0.64}, 0.4, 0.6).held
     assert claims.lowest("c", "x", {"a": 0.3, "b": 0.4, "null": 0.9}, "a").held
     assert not claims.lowest("c", "x", {"a": 0.3, "b": 0.4, "null": 0.3}, "a").held
     assert not claims.lowest("c", "x", {"a": 0.3, "b": math.nan}, "a").held
@@ -75,6 +80,23 @@ def test_runner_writes_results_and_report_and_resumes(tmp_path, fake_recipes):
     runner.reproduce(["two"], "smoke", tmp_path, force=True, log=lambda _: None)
     assert fake_recipes == ["one", "two", "two"]
     assert data["recipes"]["one"]["claims"][1]["held"] is False
+
+
+def test_a_result_that_other_code_computed_is_redone_and_left_out_until_then(tmp_path, fake_recipes, monkeypatch):
+    """A finished recipe's numbers and verdicts come from the code that computed them (its analysis, rules,
+    thresholds): after a change they are computed again -- on the finished trainings -- rather than reported
+    under today's rules. One not rerun yet is left out of results.json, not merged in."""
+    runner.reproduce(["all"], "smoke", tmp_path, log=lambda _: None)
+    assert json.loads((tmp_path / "one" / "result.json").read_text())["code"] == runner.code_version()
+    monkeypatch.setattr(runner, "code_version", lambda: "another")
+    lines = []
+    runner.reproduce(["two"], "smoke", tmp_path, log=lines.append)
+    assert fake_recipes == ["one", "two", "two"]  # two again, one not asked for
+    assert f"[one] {tmp_path / 'one' / 'result.json'} was computed by other poslab code; the recipe counts as not " \
+           "finished (its finished trainings are reused when it runs)" in lines
+    assert set(json.loads((tmp_path / "results.json").read_text())["recipes"]) == {"two"}
+    runner.reproduce(["all"], "smoke", tmp_path, log=lambda _: None)  # now both are this code's: skipped
+    assert fake_recipes == ["one", "two", "two", "one"]
 
 
 def test_results_keep_the_date_and_machine_of_their_runs(tmp_path, fake_recipes, monkeypatch):

@@ -106,7 +106,7 @@ def runs(scale_name: str, out: Path) -> dict:
 
 def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, device: str = "cpu") -> RecipeResult:
     scale = SCALES[scale_name]
-    table, trained_scores, init_scores, embed_scores = [], {}, {}, {}
+    table, trained_scores, init_scores, embed_scores, trained_embed = [], {}, {}, {}, {}
     accuracy: dict[str, dict[str, float]] = {"nope": {}, "rope": {}}
     probe_result = None
     figures = []
@@ -134,7 +134,7 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
         trained = {name: statistics.fmean(v) for name, v in scores["trained"].items()}
         init = {name: statistics.fmean(v) for name, v in scores["init"].items()}
         trained_scores[task], init_scores[task] = trained[FIRST_LAYER], init[FIRST_LAYER]
-        embed_scores[task] = init["embed"]
+        embed_scores[task], trained_embed[task] = init["embed"], trained["embed"]
         for name in trained:
             table.append([task, name, init[name], trained[name]])
 
@@ -164,6 +164,9 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
     result_claims = [
         claims.within("score at the token-embedding layer is ~0.5 (mean over tasks, init)", "~0.5",
                       statistics.fmean(embed_scores.values()), 0.4, 0.6),
+        # The paper finds the pattern "stable before and after training": the embedding layer's ~0.5 too.
+        claims.all_within("score at the token-embedding layer stays ~0.5 after training (every task)", "~0.5",
+                          trained_embed, 0.4, 0.6),
         claims.all_of("score of the first causal attention layer's output >= 0.8 at initialisation (every task)", "0.8-1.0",
                       init_scores, 0.8),
         claims.all_of("score of the first causal attention layer's output >= 0.8 after training (every task)", "0.8-1.0",
@@ -172,8 +175,10 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
                        ablation[(0.2, 0.0)], 0.65),
         claims.at_least("init std <= 0.02 keeps the pattern (first attention layer's output; lowest of std 0.002, 0.02; mean 0)", ">= 0.8",
                         min(ablation[(0.002, 0.0)], ablation[(0.02, 0.0)]), 0.8),
-        claims.all_of("a large init mean matters less: std 0.02 with mean 0, 4, 8 keeps >= 0.8", "matters less",
-                      {f"mean {m:g}": ablation[(0.02, m)] for m in INIT_MEANS}, 0.8),
+        # At both stds the pattern survives with mean 0 (the claim above), not at the more favourable one alone.
+        claims.all_of("a large init mean matters less: mean 0, 4, 8 keeps >= 0.8 (lowest of std 0.002, 0.02)",
+                      "matters less", {f"mean {m:g}": min(ablation[(0.002, m)], ablation[(0.02, m)])
+                                       for m in INIT_MEANS}, 0.8),
         claims.all_of("at initialisation the pattern is stable across model sizes: first attention layer's output "
                       f">= 0.8 at every size (layers x width: {', '.join(by_size)})", "stable across sizes",
                       by_size, 0.8),
@@ -207,7 +212,7 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
              "all of task performance.", *claims.tried_notes(result_claims, scale.get("tried", {}))]
     return RecipeResult("adjacency", scale_name, result_claims, figures=figures, tables=tables, notes=notes,
                         details={"trained_first_layer": trained_scores, "init_first_layer": init_scores,
-                                 "embed": embed_scores, "accuracy": accuracy, "bidirectional": bidirectional,
+                                 "embed": embed_scores, "trained_embed": trained_embed, "accuracy": accuracy, "bidirectional": bidirectional,
                                  "ablation": {f"std={s},mean={m}": v for (s, m), v in ablation.items()},
                                  "sizes": {f"{layers}x{width}": s for (layers, width), s in sizes.items()}})
 

@@ -58,6 +58,18 @@ def lowest(claim: str, paper: Any, ours: dict[str, float], best: str) -> Claim:
     return Claim(claim, paper, {k: rounded(v) for k, v in ours.items()}, held, f"{best} < {' and '.join(others)}")
 
 
+def above(claim: str, paper: Any, ours: float, threshold: float) -> Claim:
+    """ours strictly above threshold: the complement of ``at_most`` with the same threshold, so that one value
+    cannot be both flat and degrading."""
+    return Claim(claim, paper, rounded(ours), _finite(ours) and ours > threshold, f"ours > {threshold:g}")
+
+
+def all_within(claim: str, paper: Any, ours: dict[str, float], low: float, high: float) -> Claim:
+    """Every value in [low, high]."""
+    held = all(_finite(v) and low <= v <= high for v in ours.values())
+    return Claim(claim, paper, {k: rounded(v) for k, v in ours.items()}, held, f"every value in [{low:g}, {high:g}]")
+
+
 def all_of(claim: str, paper: Any, ours: dict[str, float], threshold: float, above: bool = True) -> Claim:
     """Every value >= threshold (above) or <= threshold (not above)."""
     held = all(_finite(v) and (v >= threshold if above else v <= threshold) for v in ours.values())

@@ -1,7 +1,8 @@
 """Runs reproduction recipes, keeps what finished, and writes results.json and report.md.
 
 Each recipe writes into DIR/<recipe>/ and ends with DIR/<recipe>/result.json; a rerun skips recipes
-whose result exists, so an interrupted ``reproduce all`` resumes instead of redoing work. Those results
+whose result exists, so an interrupted ``reproduce all`` resumes instead of redoing work -- unless other
+poslab code computed it (``code_version``): then its analysis runs again on its finished trainings. Those results
 are the source of truth: results.json and report.md are rebuilt from them (atomically) after every
 recipe, so a damaged results.json is simply rewritten, and a damaged result.json counts as not finished.
 One DIR holds one scale: a run at another scale is refused (it would resume the other scale's trainings
@@ -11,6 +12,8 @@ any recipe has finished too. One reproduction at a time holds DIR/.lock (see pos
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import datetime
 import importlib
 import json
@@ -113,9 +116,23 @@ def json_ready(data: Any) -> Any:
     return data
 
 
+@functools.lru_cache(maxsize=1)
+def code_version() -> str:
+    """A digest of poslab's own files (.py, .yaml): the code that computes a recipe's result. Its trainings carry
+    their own record (DIR/data.json, the config), but a result's analysis, rules and thresholds live only in
+    the code: a result computed by other code would keep its old numbers and verdicts under today's report."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".yaml") and "__pycache__" not in p.parts):
+        digest.update(f"{path.relative_to(root).as_posix()}\0".encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def load_finished(out: Path, log: Callable[[str], None]) -> dict[str, dict[str, Any]]:
-    """The results of the recipes that finished in ``out``, by name. A result.json that is not JSON or not a
-    recipe's result (a hand edit, a copy gone wrong) is logged and counts as not finished."""
+    """The results of the recipes that finished in ``out`` with this code, by name. A result.json that is not
+    JSON or not a recipe's result (a hand edit, a copy gone wrong) is logged and counts as not finished; so
+    does one that other poslab code computed (its finished trainings are reused when it runs again)."""
     finished = {}
     for name in RECIPES:
         path = out / name / "result.json"
@@ -125,10 +142,13 @@ def load_finished(out: Path, log: Callable[[str], None]) -> dict[str, dict[str, 
             data = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError):
             data = None
-        if _is_result(data):
-            finished[name] = data
-        else:
+        if not _is_result(data):
             log(f"[{name}] {path} is damaged (not a recipe's result); the recipe counts as not finished")
+        elif data.get("code") != code_version():
+            log(f"[{name}] {path} was computed by other poslab code; the recipe counts as not finished (its "
+                "finished trainings are reused when it runs)")
+        else:
+            finished[name] = data
     return finished
 
 
@@ -246,7 +266,8 @@ def _run_recipes(names: list[str], scale: str, out: Path, force: bool, log: Call
         result.seconds = time.perf_counter() - start
         # When and where it ran, kept with it: results.json, rebuilt by later runs, reports these, not theirs.
         # As a rerun reads it back from result.json, so that report.md renders the same either way.
-        recipes[name] = json_ready({**result.to_dict(), "date": _now(), "machine": machine(jobs)})
+        recipes[name] = json_ready({**result.to_dict(), "date": _now(), "machine": machine(jobs),
+                                    "code": code_version()})
         write_json(out / name / "result.json", recipes[name])
         held = sum(c.held for c in result.claims)
         log(f"[{name}] done in {result.seconds:.0f} s: {held}/{len(result.claims)} claims held")
