@@ -27,9 +27,10 @@ def test_claims_are_computed_from_the_values():
     assert claims.all_of("c", "x", {"t1": 0.9, "t2": 0.85}, 0.8).held
     assert not claims.all_of("c", "x", {"t1": 0.9, "t2": 0.75}, 0.8).held
     assert claims.at_most("c", "x", 1.05, 1.1).held and not claims.at_most("c", "x", 1.2, 1.1).held
-    # above is at_most's complement at the same threshold: no value is both flat and degrading
-    assert all(claims.above("c", "x", v, 1.1).held != claims.at_most("c", "x", v, 1.1).held for v in (1.05, 1.1, 1.2))
-    assert not claims.above("c", "x", math.nan, 1.1).held
+    # more_than is at_most's complement at the same threshold: no value is both flat and degrading
+    assert all(claims.more_than("c", "x", v, 1.1).held != claims.at_most("c", "x", v, 1.1).held
+               for v in (1.05, 1.1, 1.2))
+    assert not claims.more_than("c", "x", math.nan, 1.1).held
     assert claims.all_within("c", "x", {"a": 0.45, "b": 0.6}, 0.4, 0.6).held
     assert not claims.all_within("c", "x", {"a": 0.45, "b": 0.64}, 0.4, 0.6).held
     assert claims.lowest("c", "x", {"a": 0.3, "b": 0.4, "null": 0.9}, "a").held

@@ -212,7 +212,8 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
              "all of task performance.", *claims.tried_notes(result_claims, scale.get("tried", {}))]
     return RecipeResult("adjacency", scale_name, result_claims, figures=figures, tables=tables, notes=notes,
                         details={"trained_first_layer": trained_scores, "init_first_layer": init_scores,
-                                 "embed": embed_scores, "trained_embed": trained_embed, "accuracy": accuracy, "bidirectional": bidirectional,
+                                 "embed": embed_scores, "trained_embed": trained_embed, "accuracy": accuracy,
+                                 "bidirectional": bidirectional,
                                  "ablation": {f"std={s},mean={m}": v for (s, m), v in ablation.items()},
                                  "sizes": {f"{layers}x{width}": s for (layers, width), s in sizes.items()}})
 

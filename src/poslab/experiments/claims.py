@@ -58,7 +58,7 @@ def lowest(claim: str, paper: Any, ours: dict[str, float], best: str) -> Claim:
     return Claim(claim, paper, {k: rounded(v) for k, v in ours.items()}, held, f"{best} < {' and '.join(others)}")
 
 
-def above(claim: str, paper: Any, ours: float, threshold: float) -> Claim:
+def more_than(claim: str, paper: Any, ours: float, threshold: float) -> Claim:
     """ours strictly above threshold: the complement of ``at_most`` with the same threshold, so that one value
     cannot be both flat and degrading."""
     return Claim(claim, paper, rounded(ours), _finite(ours) and ours > threshold, f"ours > {threshold:g}")

@@ -180,7 +180,7 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
                        growth["pope"], FLAT),
         claims.exceeds(f"RoPE degrades more than PoPE (loss ratio {top}x / 1x)", "RoPE degrades",
                        {"rope": growth["rope"], "pope": growth["pope"]}, larger="rope", smaller="pope"),
-        claims.above(f"RoPE + YaRN fine-tuned at {tuned_at}x degrades past that length: loss at {top}x / loss at "
+        claims.more_than(f"RoPE + YaRN fine-tuned at {tuned_at}x degrades past that length: loss at {top}x / loss at "
                      f"{tuned_at}x above {FLAT:g}, the most PoPE's flat claim allows", "YaRN degrades past its length",
                      loss_at(tuned_name, top) / loss_at(tuned_name, tuned_at), FLAT),
         claims.exceeds(f"PoPE beats RoPE + YaRN (fine-tuned at {tuned_at}x the training length for "

@@ -12,9 +12,9 @@ any recipe has finished too. One reproduction at a time holds DIR/.lock (see pos
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import hashlib
-import datetime
 import importlib
 import json
 import math
