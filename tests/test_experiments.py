@@ -4,6 +4,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -495,6 +496,34 @@ def test_a_run_trained_on_data_an_older_poslab_made_is_not_reused(tmp_path, monk
     (tmp_path / "run" / "data.json").unlink()
     with pytest.raises(PoslabError, match=r"\(data version unknown: no readable data.json, as in runs from before"):
         ensure_run(config, tmp_path / "run", lambda _: None)
+
+
+def test_a_fine_tune_of_a_base_trained_again_into_other_weights_is_not_reused(tmp_path):
+    """A fine-tune's config names its start by path: extrapolation's YaRN run kept its numbers after the RoPE
+    run under it was deleted and trained again into other weights (another machine rounds otherwise). The run
+    records the weights it started from (init.json); the same weights again are reused, other ones refused."""
+    from poslab.experiments.common import ensure_run, first_trained_otherwise
+    from poslab.experiments.indirect_indexing import SCALES, run_config
+
+    base = run_config(SCALES["smoke"], "rope", 0)
+    ensure_run(base, tmp_path / "base", lambda _: None)
+    tuned = {**base, "train": {**base["train"], "steps": 2, "init_from": str(tmp_path / "base")}}
+    first = ensure_run(tuned, tmp_path / "tuned", lambda _: None)
+    record = json.loads((tmp_path / "tuned" / "init.json").read_text())
+    assert record["step"] == base["train"]["steps"] and len(record["weights_sha256"]) == 64
+    shutil.rmtree(tmp_path / "base")
+    ensure_run(base, tmp_path / "base", lambda _: None)  # the same machine and code: the same weights
+    assert ensure_run(tuned, tmp_path / "tuned", lambda _: None) == first
+    shutil.rmtree(tmp_path / "base")
+    assert first_trained_otherwise({"tuned": (tuned, tmp_path / "tuned")}) is None  # no base yet: nothing to compare
+    ensure_run({**base, "seed": 1}, tmp_path / "base", lambda _: None)  # other weights under the same path
+    stale = r"tuned was trained with other settings \(initial weights: .*base.* holds other weights than the run"
+    assert re.search(stale, first_trained_otherwise({"tuned": (tuned, tmp_path / "tuned")}))
+    with pytest.raises(PoslabError, match=stale):
+        ensure_run(tuned, tmp_path / "tuned", lambda _: None)
+    (tmp_path / "tuned" / "init.json").unlink()
+    with pytest.raises(PoslabError, match=r"\(initial weights unknown: no readable init.json"):
+        ensure_run(tuned, tmp_path / "tuned", lambda _: None)
 
 
 def test_a_damaged_final_json_is_written_again(tmp_path):

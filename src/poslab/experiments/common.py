@@ -18,7 +18,7 @@ import torch.distributed as dist
 from poslab.train import RunConfig, train
 from poslab.train.checkpoint import first_difference, load_trainer_state, resolve, weights_spec
 from poslab.train.provenance import data_difference
-from poslab.train.trainer import load_saved_config
+from poslab.train.trainer import init_difference, load_saved_config
 from poslab.errors import CheckpointError, PoslabError
 
 FINAL = "final.json"
@@ -52,7 +52,8 @@ def finished(cfg: RunConfig, out: Path) -> dict[str, Any] | None:
 
 def trained_otherwise(cfg: RunConfig, out: Path) -> str | None:
     """The first setting where the run in ``out`` (its config.yaml) differs from ``cfg``, or where the data it
-    was trained on (its data.json) differs from what ``cfg`` gives with this poslab, or None."""
+    was trained on (its data.json) differs from what ``cfg`` gives with this poslab, or where the weights it
+    fine-tuned from (its init.json) differ from those its train.init_from holds now, or None."""
     def comparable(config: RunConfig) -> dict[str, Any]:
         raw = config.to_dict()
         raw["model"] = weights_spec(raw["model"])
@@ -60,7 +61,7 @@ def trained_otherwise(cfg: RunConfig, out: Path) -> str | None:
             raw[section] = {k: v for k, v in raw[section].items() if k not in keys}
         return raw
     difference = first_difference(comparable(load_saved_config(out)), comparable(cfg), "run")
-    return difference if difference is not None else data_difference(out, cfg)
+    return difference or data_difference(out, cfg) or init_difference(out, cfg)
 
 
 def first_trained_otherwise(runs: dict[Any, tuple[dict[str, Any], Path]]) -> str | None:

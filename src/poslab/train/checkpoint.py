@@ -26,6 +26,7 @@ Test seam: ``crash_point`` lets crash tests kill the process at a named point (s
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import hashlib
 import json
 import os
@@ -226,6 +227,16 @@ def load_states(path: Path) -> tuple[dict[str, Any], dict[str, Any], list[dict[s
         except Exception as err:  # unpickling raises anything from EOFError to UnpicklingError
             raise CheckpointError(f"cannot read {Path(path) / name}: {str(err).splitlines()[0]}") from None
     return tuple(out)
+
+
+def weights_digest(path: Path) -> str:
+    """One sha256 for the model weights of the (verified) checkpoint at ``path``, from its manifest: equal for
+    checkpoints whose weight files are equal byte for byte, wherever they lie."""
+    listed = sorted(line for line in (Path(path) / MANIFEST).read_text().splitlines()
+                    if fnmatch.fnmatch(line.partition("  ")[2], "model*.safetensors"))
+    if not listed:
+        raise CheckpointError(f"no model*.safetensors in {path}")
+    return hashlib.sha256("\n".join(listed).encode()).hexdigest()
 
 
 def load_weights(model: nn.Module, path: Path, same_config: bool = True) -> None:

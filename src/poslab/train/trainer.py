@@ -3,6 +3,7 @@
     DIR/config.yaml          the resolved run config (vocab size filled in)
     DIR/data.json            the version of the code that made its data   } what its data was:
     DIR/tokenizer/           a text run's tokenizer (AutoTokenizer-loadable) } see provenance.py
+    DIR/init.json            a fine-tune's starting weights (train.init_from): checkpoint, step, digest
     DIR/metrics.jsonl        training and evaluation records (see monitor.py)
     DIR/checkpoints/last     written every train.checkpoint_every steps and at the end
     DIR/checkpoints/best     written whenever the evaluation metric train.best_metric improves
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import random
@@ -51,9 +53,12 @@ from poslab.train.provenance import (DATA_FILE, TOKENIZER_DIR, check_same_tokeni
                                      hf_tokenizer, record_data, saved_data_version, tokenizer_difference)
 
 CONFIG_FILE = "config.yaml"
-# What a run killed before writing config.yaml leaves (data.json and the tokenizer are written just before it).
-OWN_TRANSIENTS = {LOCK_FILE, f".{CONFIG_FILE}.tmp", DATA_FILE, f".{DATA_FILE}.tmp", TOKENIZER_DIR,
-                  f".{TOKENIZER_DIR}.tmp"}
+# A fine-tune's starting weights (train.init_from): the checkpoint, its step and its weights' digest. The run's
+# config names the start by path only, and the run there can be trained again into other weights.
+INIT_FILE = "init.json"
+# What a run killed before writing config.yaml leaves (data.json, init.json and the tokenizer go just before it).
+OWN_TRANSIENTS = {LOCK_FILE, f".{CONFIG_FILE}.tmp", DATA_FILE, f".{DATA_FILE}.tmp", INIT_FILE, f".{INIT_FILE}.tmp",
+                  TOKENIZER_DIR, f".{TOKENIZER_DIR}.tmp"}
 CHECKPOINTS = "checkpoints"
 MODEL_INPUTS = ("input_ids", "attention_mask", "labels")  # other per-token labels are for probes, not the loss
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -172,6 +177,7 @@ class Trainer:
         _seed_everything(config.seed)  # the same initial weights on every rank
         model = build_model(config.model)
         last = self._resume_point() if resume else None
+        init = None
         if last is not None:
             state = ckpt.load_resume_state(last)
             require(cfg.steps >= state["step"],
@@ -182,6 +188,7 @@ class Trainer:
             start = _init_point(Path(cfg.init_from))
             ckpt.load_weights(model, start, same_config=False)
             step = ckpt.load_trainer_state(start)["step"]
+            init = {"checkpoint": str(start), "step": step, "weights_sha256": ckpt.weights_digest(start)}
             self.notes.append(f"model weights from {start}, saved at step {step} (train.init_from)")
         _seed_everything(config.seed + parallel.rank)  # independent dropout masks per rank
         model.to(self.device)
@@ -208,7 +215,7 @@ class Trainer:
                 self.best = ckpt.load_resume_state(ckpt.resolve(self.out / CHECKPOINTS / "best",
                                                                self.notes.append))["best"]
         if parallel.is_main:
-            _init_out_dir(self.out, config, overwrite, hf_tokenizer(self.source))
+            _init_out_dir(self.out, config, overwrite, hf_tokenizer(self.source), init)
             if resume:
                 truncate_metrics(self.out / METRICS_FILE, self.step)
             self.monitor = Monitor(self.out, cfg.steps, self.step, resumed=resume)
@@ -476,6 +483,24 @@ def _init_point(path: Path) -> Path:
     return path
 
 
+def init_difference(run: Path, config: RunConfig) -> str | None:
+    """How the weights ``config``'s train.init_from names now differ from those the run in ``run`` started from
+    (its init.json), or None: also when it does not fine-tune, or when the start is not there or not finished
+    (nothing to compare yet: it is trained before the fine-tune is)."""
+    if config.train.init_from is None:
+        return None
+    try:
+        saved = json.loads((run / INIT_FILE).read_text())["weights_sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"initial weights unknown: no readable {INIT_FILE}, as in runs from before poslab recorded it"
+    try:
+        start = _init_point(Path(config.train.init_from))
+        now = ckpt.weights_digest(start)
+    except CheckpointError:
+        return None
+    return None if now == saved else f"initial weights: {start} holds other weights than the run started from"
+
+
 def _check_out_dir(out: Path, config: RunConfig, resume: bool, overwrite: bool) -> None:
     """Refuse to clobber, and check that a resumed run is the same run (read-only, on every rank)."""
     if resume:
@@ -493,7 +518,8 @@ def _check_out_dir(out: Path, config: RunConfig, resume: bool, overwrite: bool) 
                 f"--overwrite refuses to delete {out}: it is not a poslab run directory (no {CONFIG_FILE})")
 
 
-def _init_out_dir(out: Path, config: RunConfig, overwrite: bool, tokenizer: Any = None) -> None:
+def _init_out_dir(out: Path, config: RunConfig, overwrite: bool, tokenizer: Any = None,
+                  init: dict[str, Any] | None = None) -> None:
     """Called once everything is built, so a config error leaves no directory behind (rank 0 only).
     config.yaml goes first: a run killed later is a run directory that --resume recognises."""
     if overwrite:
@@ -506,6 +532,8 @@ def _init_out_dir(out: Path, config: RunConfig, overwrite: bool, tokenizer: Any 
                 path.unlink()
     out.mkdir(parents=True, exist_ok=True)
     record_data(out, config, tokenizer)
+    if init is not None:
+        atomic_write_text(out / INIT_FILE, json.dumps(init, sort_keys=True))
     atomic_write_text(out / CONFIG_FILE, config.to_yaml())
     (out / CHECKPOINTS).mkdir(exist_ok=True)
 
