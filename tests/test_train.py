@@ -368,6 +368,37 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch
     assert len(losses(tmp_path / "run")) == 2
 
 
+def flat(state) -> list[torch.Tensor]:
+    """Every tensor of a (nested) state dict, in key order (AdamW's step counts are tensors too)."""
+    if torch.is_tensor(state):
+        return [state]
+    return [t for key in sorted(state) for t in flat(state[key])] if isinstance(state, dict) else []
+
+
+def test_a_batch_without_labelled_tokens_passes_without_an_update(tmp_path, monkeypatch, capsys):
+    """A short masked-LM batch can draw no mask at all; the run used to stop there. The step now passes: no
+    update (the weights and AdamW moments are those of the step before), the schedule and the data go on, the
+    log says so, and the loss logged is the last one measured."""
+    from poslab.tasks.source import TaskSource
+
+    drawn = TaskSource.train_batch
+
+    def blank_second(self, step, *args, **kwargs):
+        batch = drawn(self, step, *args, **kwargs)
+        return {**batch, "labels": torch.full_like(batch["labels"], -100)} if step == 1 else batch
+    monkeypatch.setattr(TaskSource, "train_batch", blank_second)
+    constant = {"schedule": "constant", "warmup_steps": 0, "checkpoint_every": 1}
+    final = train(RunConfig.from_dict(tiny_config(steps=2, **constant)), tmp_path / "skipped")
+    assert final["step"] == 2 and "step 2: the batch has no labelled token" in capsys.readouterr().err
+    assert losses(tmp_path / "skipped") == [final["train_loss"]] * 2
+    monkeypatch.setattr(TaskSource, "train_batch", drawn)
+    train(RunConfig.from_dict(tiny_config(steps=1, **constant)), tmp_path / "one")
+    for name in ("model.safetensors", ckpt.OPTIMIZER_FILE):
+        state = [load_file(f) if name.endswith(".safetensors") else torch.load(f, weights_only=True)["state"]
+                 for f in (tmp_path / run / "checkpoints/last" / name for run in ("skipped", "one"))]
+        assert all(torch.equal(a, b) for a, b in zip(flat(state[0]), flat(state[1]), strict=True))
+
+
 def test_output_directory_rules(tmp_path):
     config = RunConfig.from_dict(tiny_config(steps=2))
     (tmp_path / "notes").mkdir()

@@ -284,7 +284,8 @@ class Trainer:
             while self.step < cfg.steps:
                 record = self._train_step(self.step)
                 self.step += 1
-                self.last_loss = record["loss"]
+                if record["loss"] is not None:
+                    self.last_loss = record["loss"]
                 tokens_total += record["tokens"]
                 step_seconds += record["seconds"]
                 for key in window:
@@ -325,7 +326,7 @@ class Trainer:
         counts = [int((evaluation.targets(mb["labels"], causal) != -100).sum()) for mb in micro]
         total = int(par.sum(torch.tensor(sum(counts))))
         if total == 0:
-            raise DataError(f"the training batch of step {step + 1} has no labelled token (all labels are -100)")
+            return self._skip(step, batch, t0, data_seconds)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, mb in enumerate(micro):
             mb = {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
@@ -353,6 +354,19 @@ class Trainer:
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": batch["input_ids"].numel() * par.world_size,
                 "seconds": time.perf_counter() - t0, "data_seconds": data_seconds}
 
+    def _skip(self, step: int, batch: dict[str, torch.Tensor], t0: float, data_seconds: float) -> dict[str, Any]:
+        """A global batch without a labelled token (a short masked-LM batch can draw no mask) has no loss and no
+        gradient: the step passes without an update. It still counts, so that the schedule and the data stay
+        functions of the step; the optimizer steps with every gradient None, which AdamW leaves alone."""
+        if self.monitor is not None:
+            self.monitor.message(f"step {step + 1}: the batch has no labelled token (all labels are -100); no update")
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        tokens = batch["input_ids"].numel() * self.parallel.world_size
+        return {"loss": None, "lr": lr, "grad_norm": 0.0, "tokens": tokens, "seconds": time.perf_counter() - t0,
+                "data_seconds": data_seconds}
+
     def _diverged(self, what: str) -> None:
         last = self.out / CHECKPOINTS / "last"
         try:
@@ -365,7 +379,7 @@ class Trainer:
         if self.monitor is None:
             return
         self.monitor.log_train(self.step, {
-            "loss": record["loss"], "lr": record["lr"], "grad_norm": record["grad_norm"],
+            "loss": self.last_loss, "lr": record["lr"], "grad_norm": record["grad_norm"],
             "tokens_per_s": window["tokens"] / window["seconds"],
             "data_fraction": window["data_seconds"] / window["seconds"]})
 
