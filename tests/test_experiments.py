@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -338,6 +339,68 @@ def test_parallel_runs_equal_sequential_ones_and_skip_finished(tmp_path):
     assert "step 3/3" in (tmp_path / "par" / "s0.log").read_text()
     lines.clear()
     assert ensure_runs(runs(tmp_path / "par"), lines.append, jobs=2) == parallel and lines == []
+
+
+def test_a_later_recipes_stale_run_is_refused_before_anything_trains(tmp_path, fake_recipes):
+    """Trainings start ahead of their recipe, so a run trained with other settings in the last recipe stops the
+    reproduction at its start, not after the recipes before it have run for an hour."""
+    from poslab.experiments.common import ensure_run
+    from poslab.experiments.indirect_indexing import SCALES, run_config
+
+    config = run_config(SCALES["smoke"], "pope", 0)
+    ensure_run(config, tmp_path / "two" / "s0", lambda _: None)
+    changed = {**config, "model": {**config["model"], "init_std": 0.05}}
+    sys.modules["fake_recipes"].runs = lambda scale, out: {0: (changed, out / "s0")} if out.name == "two" else {}
+    with pytest.raises(PoslabError, match=r"^\[two\] .*s0 was trained with other settings \(run.model.init_std "
+                                          r"\(0.02 there, 0.05 now\)\) than this version of the recipe uses; delete"):
+        runner.reproduce(["all"], "smoke", tmp_path, log=lambda _: None, jobs=2)
+    assert fake_recipes == [] and not (tmp_path / "one").exists()
+
+
+def test_later_recipes_train_while_earlier_ones_are_analysed(tmp_path, monkeypatch):
+    """With --jobs 2 the workers train the next recipe's models while this process analyses the last one's, so
+    no core idles between recipes; the models are those trained one after another, and a fine-tune waits for
+    its recipe, which trains it once its start is there."""
+    from poslab.experiments.common import _ahead, ensure_runs
+    from poslab.experiments.indirect_indexing import SCALES, run_config
+
+    def trainings(out: Path) -> dict:
+        runs = {seed: (run_config(SCALES["smoke"], "pope", seed), out / "runs" / f"s{seed}") for seed in (0, 1)}
+        if out.name == "two":
+            base = runs[0][0]
+            runs["tuned"] = ({**base, "train": {**base["train"], "steps": 2, "init_from": str(runs[0][1])}},
+                             out / "runs" / "tuned")
+        return runs
+
+    seen = {}
+
+    def analyse(scale, out, log, jobs, device):
+        runs = trainings(out)
+        seen[out.name] = ensure_runs({k: v for k, v in runs.items() if k != "tuned"}, log, jobs)
+        if out.name == "one":  # still analysing "one": "two"'s models train meanwhile
+            deadline = time.monotonic() + 120
+            while not all((tmp_path / "two" / "runs" / f"s{seed}" / "final.json").exists() for seed in (0, 1)):
+                assert time.monotonic() < deadline, "the next recipe's trainings did not start ahead"
+                time.sleep(0.2)
+            assert not (tmp_path / "two" / "runs" / "tuned").exists()
+        else:
+            seen["tuned"] = ensure_runs({"tuned": runs["tuned"]}, log, jobs)
+        return RecipeResult(out.name, scale, [claims.at_least("value", 1.0, 2.0, 1.5)])
+
+    module = type(sys)("ahead_recipes")
+    module.run, module.runs = analyse, lambda scale, out: trainings(out)
+    monkeypatch.setitem(sys.modules, "ahead_recipes", module)
+    monkeypatch.setattr(runner, "RECIPES", {"one": ("ahead_recipes:run", "first"), "two": ("ahead_recipes:run", "")})
+    lines = []
+    runner.reproduce(["all"], "smoke", tmp_path, log=lines.append, jobs=2)
+    assert sum(line.startswith("training ahead in 2 worker processes") for line in lines) == 1
+    assert not any("queued" in line for line in lines) and _ahead == {}
+    timing = ("seconds", "tokens_per_s")
+    sequential = ensure_runs(trainings(tmp_path / "seq" / "two"), lambda _: None, jobs=1)
+    for name in (0, 1, "tuned"):
+        got = seen["tuned"]["tuned"] if name == "tuned" else seen["two"][name]
+        assert {k: v for k, v in got.items() if k not in timing} == \
+               {k: v for k, v in sequential[name].items() if k not in timing}
 
 
 def test_readme_section_is_rendered_from_results(tmp_path, fake_recipes):

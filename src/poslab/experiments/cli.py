@@ -27,8 +27,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="torch CPU threads (default: 1 at quick and smoke scale, where the models are too small for "
                         "intra-op parallelism to pay; torch's default otherwise)")
     p.add_argument("--jobs", type=int, default=None,
-                   help="models trained side by side, each in its own process (default: one per CPU at quick and "
-                        "smoke scale on a machine without CUDA, else 1; always 1 under torchrun)")
+                   help="models trained side by side, each in its own process, the next recipes' models while a "
+                        "recipe is analysed (default: one per CPU at quick and smoke scale on a machine without CUDA, "
+                        "else 1; always 1 under torchrun)")
     p.add_argument("--analysis-device", default="auto", choices=DEVICES,
                    help="where trained models are measured (default auto: the CUDA device when there is one, "
                         "else the CPU; trainings follow each run config's train.device)")

@@ -7,7 +7,7 @@ import multiprocessing
 import os
 import threading
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any, Callable
@@ -138,31 +138,79 @@ def ensure_runs(runs: dict[Any, tuple[dict[str, Any], Path]], log: Callable[[str
 
     Small CPU models gain little from intra-op threads, so independent trainings side by side, each in its
     own process with a share of this process's torch threads, use the cores better than one after another.
-    A parallel run's progress goes to ``out`` + ".log" (interleaved bars would be unreadable). Under
-    torchrun every rank trains every run together, so runs stay sequential there.
+    A parallel run's progress goes to ``out`` + ".log" (interleaved bars would be unreadable). Runs that
+    ``train_ahead`` started are waited for, not trained again. Under torchrun every rank trains every run
+    together, so runs stay sequential there.
     """
-    # RunConfig.from_dict prepares a corpus when the vocabulary comes from the data, so a corpus the runs
-    # share is prepared here, once, before any worker starts.
-    pending = {name: (config, out) for name, (config, out) in runs.items()
-               if finished(RunConfig.from_dict(config), out) is None}
-    if jobs <= 1 or len(pending) <= 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return {name: ensure_run(config, out, log) for name, (config, out) in runs.items()}
-    workers = min(jobs, len(pending))
-    threads = max(1, torch.get_num_threads() // workers)
-    pool = worker_pool(workers)
+    with _worker_death_explained():
+        ahead = {name: _ahead[out] for name, (_, out) in runs.items() if out in _ahead}
+        done = {name: future.result() for name, future in ahead.items()}
+        # RunConfig.from_dict prepares a corpus when the vocabulary comes from the data, so a corpus the runs
+        # share is prepared here, once, before any worker starts.
+        pending = {name: (config, out) for name, (config, out) in runs.items()
+                   if name not in ahead and finished(RunConfig.from_dict(config), out) is None}
+        if jobs > 1 and len(pending) > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            workers = min(jobs, len(pending))
+            threads = max(1, torch.get_num_threads() // workers)
+            pool = worker_pool(workers)
+            try:
+                futures = {}
+                for name, (config, out) in pending.items():
+                    log(f"  queued {out.name} for a worker process ({workers} at a time; progress: {out}.log)")
+                    futures[name] = pool.submit(_ensure_run_in_worker, config, out, threads)
+                done.update({name: future.result() for name, future in futures.items()})
+            finally:
+                pool.shutdown(cancel_futures=True)  # after a failure, do not start the runs still queued
+    return {name: done[name] if name in done else ensure_run(config, out, log)
+            for name, (config, out) in runs.items()}
+
+
+# Trainings started ahead of their recipe, by run directory (see train_ahead).
+_ahead: dict[Path, Future] = {}
+
+
+@contextlib.contextmanager
+def train_ahead(recipes: list[dict[Any, tuple[dict[str, Any], Path]]], jobs: int, log: Callable[[str], None]):
+    """Within the block, ``jobs`` worker processes train every unfinished run of ``recipes`` (each recipe's runs,
+    name -> (config, out)), in the order given; ``ensure_runs`` then waits for a recipe's runs instead of
+    training them. So while this process analyses one recipe's models, the workers train the next recipe's,
+    and no core idles between recipes. Fine-tunes (train.init_from) are left to their recipe, which trains
+    them once their start is there. Nothing starts ahead with ``jobs`` 1 or under torchrun.
+
+    A recipe's corpus is prepared here, in this process, once the runs before it are queued: while the
+    workers already train those."""
+    if jobs <= 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        yield
+        return
+    threads = max(1, torch.get_num_threads() // jobs)
+    pool, started = None, []
     try:
-        futures = {}
-        for name, (config, out) in pending.items():
-            log(f"  queued {out.name} for a worker process ({workers} at a time; progress: {out}.log)")
-            futures[name] = pool.submit(_ensure_run_in_worker, config, out, threads)
-        done = {name: future.result() for name, future in futures.items()}
+        with _worker_death_explained():
+            for runs in recipes:
+                for config, out in runs.values():
+                    if out in _ahead or config["train"].get("init_from") or \
+                            finished(RunConfig.from_dict(config), out) is not None:
+                        continue
+                    if pool is None:
+                        pool = worker_pool(jobs)
+                        log(f"training ahead in {jobs} worker processes (each run's progress: <run directory>.log)")
+                    _ahead[out] = pool.submit(_ensure_run_in_worker, config, out, threads)
+                    started.append(out)
+        yield
+    finally:
+        for out in started:
+            _ahead.pop(out, None)
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+
+
+@contextlib.contextmanager
+def _worker_death_explained():
+    try:
+        yield
     except BrokenProcessPool:
         raise PoslabError("a training worker process died (killed by the system: out of memory?); rerun to resume "
                           "the unfinished trainings, with a lower --jobs if memory ran out") from None
-    finally:
-        pool.shutdown(cancel_futures=True)  # after a failure, do not start the runs still queued
-    return {name: done[name] if name in done else ensure_run(config, out, log)
-            for name, (config, out) in runs.items()}
 
 
 def worker_pool(workers: int) -> ProcessPoolExecutor:

@@ -67,6 +67,8 @@ def run_line(data: dict[str, Any]) -> str:
             + (f", GPUs: {', '.join(m['gpus'])}" if m.get("gpus") else "")
             + f", torch {m['torch']}; {data['seconds']:.0f} s in all "
             + "(" + ", ".join(f"{name} {rec['seconds']:.0f} s" for name, rec in data["recipes"].items())
+            # Since trainings start ahead (experiments.common.train_ahead), a recipe's seconds are its turn's.
+            + ("; with several jobs a recipe's models can train during the turns before its own" if jobs > 1 else "")
             + f"). **{held} of {total} claims held.**")
 
 

@@ -30,7 +30,7 @@ import torch
 
 from poslab.errors import ConfigError, PoslabError, unknown_key_message
 from poslab.experiments.claims import Claim
-from poslab.experiments.common import ensure_runs, first_trained_otherwise
+from poslab.experiments.common import ensure_runs, first_trained_otherwise, train_ahead
 from poslab.files import atomic_write_text
 from poslab.train.lock import RunLock
 from poslab.train.parallel import Parallel
@@ -243,38 +243,53 @@ def _mark_scale(out: Path, scale: str) -> None:
 def _run_recipes(names: list[str], scale: str, out: Path, force: bool, log: Callable[[str], None],
                  jobs: int, device: str) -> dict[str, Any]:
     recipes = finished_at_scale(out, scale, log)
+    modules = {name: importlib.import_module(RECIPES[name][0].split(":")[0]) for name in names}
+    todo = [name for name in names if force or name not in recipes]
     for name in names:
-        module_name, fn = RECIPES[name][0].split(":")
-        module = importlib.import_module(module_name)
-        finished = None if force else recipes.get(name)
-        if finished is not None:
-            # Its numbers are those of its trainings: a newer version of the recipe that trains otherwise would
-            # report them as its own (every rank reads the same files, so under torchrun all refuse together).
-            stale = first_trained_otherwise(module.runs(scale, out / name))
-            if stale is not None:
-                raise PoslabError(f"[{name}] finished in {out}, but {stale} than this version of the recipe uses; "
-                                  f"delete {out / name} to reproduce it again, or reproduce into another --out")
-            log(f"[{name}] already finished ({finished['seconds']:.0f} s); skipping (use --force to redo)")
-            continue
+        # A run trained with other settings is refused before anything trains: in a finished recipe its numbers
+        # would be reported as this version's; in one to run, training would stop there (every rank reads the
+        # same files, so under torchrun all refuse together).
+        stale = first_trained_otherwise(modules[name].runs(scale, out / name))
+        if stale is not None and name not in todo:
+            raise PoslabError(f"[{name}] finished in {out}, but {stale} than this version of the recipe uses; "
+                              f"delete {out / name} to reproduce it again, or reproduce into another --out")
+        if stale is not None:
+            raise PoslabError(f"[{name}] {stale} than this version of the recipe uses; delete it to train it again, "
+                              "or reproduce into another --out")
+    if todo:
         _mark_scale(out, scale)
-        log(f"[{name}] running at {scale} scale: {RECIPES[name][1]}")
-        if not _is_main():  # the other ranks only train (data-parallel with rank 0); rank 0 analyses and writes
-            ensure_runs(module.runs(scale, out / name), log)
-            continue
-        start = time.perf_counter()
-        result: RecipeResult = getattr(module, fn)(scale, out / name, log, jobs, device)
-        result.seconds = time.perf_counter() - start
-        # When and where it ran, kept with it: results.json, rebuilt by later runs, reports these, not theirs.
-        # As a rerun reads it back from result.json, so that report.md renders the same either way.
-        recipes[name] = json_ready({**result.to_dict(), "date": _now(), "machine": machine(jobs),
-                                    "code": code_version()})
-        write_json(out / name / "result.json", recipes[name])
-        held = sum(c.held for c in result.claims)
-        log(f"[{name}] done in {result.seconds:.0f} s: {held}/{len(result.claims)} claims held")
-        _write_all(out, scale, recipes, jobs)
+    # While one recipe is analysed, worker processes train the next ones' models (each recipe's seconds are then
+    # the wall time of its turn, whose trainings may have started during the turns before it).
+    with train_ahead([modules[name].runs(scale, out / name) for name in todo], jobs, log):
+        for name in names:
+            if name in todo:
+                _run_recipe(name, modules[name], recipes, scale, out, log, jobs, device)
+            else:
+                log(f"[{name}] already finished ({recipes[name]['seconds']:.0f} s); skipping (use --force to redo)")
     if _is_main():
         _write_all(out, scale, recipes, jobs)
     return recipes
+
+
+def _run_recipe(name: str, module: Any, recipes: dict[str, Any], scale: str, out: Path, log: Callable[[str], None],
+                jobs: int, device: str) -> None:
+    """Run recipe ``name`` (its ``module``) and record its result in ``recipes``, result.json and the report."""
+    fn = RECIPES[name][0].split(":")[1]
+    log(f"[{name}] running at {scale} scale: {RECIPES[name][1]}")
+    if not _is_main():  # the other ranks only train (data-parallel with rank 0); rank 0 analyses and writes
+        ensure_runs(module.runs(scale, out / name), log)
+        return
+    start = time.perf_counter()
+    result: RecipeResult = getattr(module, fn)(scale, out / name, log, jobs, device)
+    result.seconds = time.perf_counter() - start
+    # When and where it ran, kept with it: results.json, rebuilt by later runs, reports these, not theirs.
+    # As a rerun reads it back from result.json, so that report.md renders the same either way.
+    recipes[name] = json_ready({**result.to_dict(), "date": _now(), "machine": machine(jobs),
+                                "code": code_version()})
+    write_json(out / name / "result.json", recipes[name])
+    held = sum(c.held for c in result.claims)
+    log(f"[{name}] done in {result.seconds:.0f} s: {held}/{len(result.claims)} claims held")
+    _write_all(out, scale, recipes, jobs)
 
 
 def _now() -> str:
