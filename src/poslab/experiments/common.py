@@ -143,7 +143,7 @@ def ensure_runs(runs: dict[Any, tuple[dict[str, Any], Path]], log: Callable[[str
     together, so runs stay sequential there.
     """
     with _worker_death_explained():
-        ahead = {name: _ahead[out] for name, (_, out) in runs.items() if out in _ahead}
+        ahead = {name: _ahead[key] for name, (_, out) in runs.items() if (key := out.resolve()) in _ahead}
         done = {name: future.result() for name, future in ahead.items()}
         # RunConfig.from_dict prepares a corpus when the vocabulary comes from the data, so a corpus the runs
         # share is prepared here, once, before any worker starts.
@@ -165,7 +165,7 @@ def ensure_runs(runs: dict[Any, tuple[dict[str, Any], Path]], log: Callable[[str
             for name, (config, out) in runs.items()}
 
 
-# Trainings started ahead of their recipe, by run directory (see train_ahead).
+# Trainings started ahead of their recipe, by resolved run directory (see train_ahead): recipes can share one.
 _ahead: dict[Path, Future] = {}
 
 
@@ -188,14 +188,14 @@ def train_ahead(recipes: list[dict[Any, tuple[dict[str, Any], Path]]], jobs: int
         with _worker_death_explained():
             for runs in recipes:
                 for config, out in runs.values():
-                    if out in _ahead or config["train"].get("init_from") or \
+                    if out.resolve() in _ahead or config["train"].get("init_from") or \
                             finished(RunConfig.from_dict(config), out) is not None:
                         continue
                     if pool is None:
                         pool = worker_pool(jobs)
                         log(f"training ahead in {jobs} worker processes (each run's progress: <run directory>.log)")
-                    _ahead[out] = pool.submit(_ensure_run_in_worker, config, out, threads)
-                    started.append(out)
+                    _ahead[out.resolve()] = pool.submit(_ensure_run_in_worker, config, out, threads)
+                    started.append(out.resolve())
         yield
     finally:
         for out in started:
