@@ -618,7 +618,7 @@ def test_a_worker_killed_by_the_system_is_one_error_line(tmp_path, monkeypatch):
             future.set_exception(BrokenProcessPool("A process in the process pool was terminated abruptly"))
             return future
 
-        def shutdown(self, cancel_futures):
+        def shutdown(self, wait=True, cancel_futures=False):
             pass
 
     monkeypatch.setattr(common, "worker_pool", lambda workers: KilledPool())
@@ -626,6 +626,28 @@ def test_a_worker_killed_by_the_system_is_one_error_line(tmp_path, monkeypatch):
     with pytest.raises(PoslabError, match=r"^a training worker process died \(killed by the system: out of "
                                           r"memory\?\); rerun to resume .*lower --jobs"):
         common.ensure_runs(runs, lambda _: None, jobs=2)
+
+
+def test_a_failure_kills_the_workers_instead_of_waiting_for_them(tmp_path):
+    """Trainings ahead keep the workers busy for the whole reproduction: an error or an interrupt in the main
+    process used to wait, silently, for the trainings they were in (minutes), and a second interrupt could leave
+    the interpreter joining idle workers forever. Their work is killed instead; trainings resume from checkpoints."""
+    from poslab.experiments.common import closing_pool, worker_pool
+
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        with closing_pool(worker_pool(1)) as pool:
+            busy = pool.submit(time.sleep, 120)
+            deadline = time.monotonic() + 60
+            while not busy.running():
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            processes = list(pool._processes.values())
+            raise KeyboardInterrupt
+    for process in processes:
+        process.join(timeout=10)
+        assert not process.is_alive()
+    assert time.monotonic() - started < 60
 
 
 @pytest.mark.slow

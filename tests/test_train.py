@@ -340,6 +340,11 @@ def test_init_from_fine_tunes_under_another_rope_scaling(tmp_path):
     with pytest.raises(CheckpointError, match="stopped at step 2 of 4; finish it with --resume"):
         train(half, tmp_path / "from-half")
     assert not any((tmp_path / name).exists() for name in (*refusals, "none", "from-half"))
+    # A fine-tune killed before its config.yaml leaves its init.json; a run started there from scratch drops it.
+    (tmp_path / "killed").mkdir()
+    (tmp_path / "killed" / "init.json").write_text('{"weights_sha256": "0"}')
+    train(RunConfig.from_dict(tiny_config(steps=1)), tmp_path / "killed")
+    assert not (tmp_path / "killed" / "init.json").exists()
 
 
 def _poison_third_forward(monkeypatch):
@@ -397,6 +402,27 @@ def test_a_batch_without_labelled_tokens_passes_without_an_update(tmp_path, monk
         state = [load_file(f) if name.endswith(".safetensors") else torch.load(f, weights_only=True)["state"]
                  for f in (tmp_path / run / "checkpoints/last" / name for run in ("skipped", "one"))]
         assert all(torch.equal(a, b) for a, b in zip(flat(state[0]), flat(state[1]), strict=True))
+
+
+def test_a_checkpoint_before_the_first_update_leaves_the_run_as_it_was(tmp_path, monkeypatch):
+    """Saving AdamW's state before any update makes torch fill it by a step at lr 0, counted as step 1: with the
+    first batch blank, a checkpoint after it shifted the first real update's bias correction, and the weights
+    depended on train.checkpoint_every. They no longer do, resumed or not."""
+    from poslab.tasks.source import TaskSource
+
+    drawn = TaskSource.train_batch
+
+    def blank_first(self, step, *args, **kwargs):
+        batch = drawn(self, step, *args, **kwargs)
+        return {**batch, "labels": torch.full_like(batch["labels"], -100)} if step == 0 else batch
+    monkeypatch.setattr(TaskSource, "train_batch", blank_first)
+    for every in (1, 0):
+        train(RunConfig.from_dict(tiny_config(steps=3, checkpoint_every=every)), tmp_path / f"every{every}")
+    train(RunConfig.from_dict(tiny_config(steps=1, checkpoint_every=1)), tmp_path / "resumed")
+    train(RunConfig.from_dict(tiny_config(steps=3, checkpoint_every=1)), tmp_path / "resumed", resume=True)
+    weights = [load_file(tmp_path / run / "checkpoints/last/model.safetensors") for run in ("every1", "every0", "resumed")]
+    for other in weights[1:]:
+        assert all(torch.equal(weights[0][k], other[k]) for k in weights[0])
 
 
 def test_output_directory_rules(tmp_path):

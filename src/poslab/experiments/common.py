@@ -152,15 +152,12 @@ def ensure_runs(runs: dict[Any, tuple[dict[str, Any], Path]], log: Callable[[str
         if jobs > 1 and len(pending) > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
             workers = min(jobs, len(pending))
             threads = max(1, torch.get_num_threads() // workers)
-            pool = worker_pool(workers)
-            try:
+            with closing_pool(worker_pool(workers)) as pool:
                 futures = {}
                 for name, (config, out) in pending.items():
                     log(f"  queued {out.name} for a worker process ({workers} at a time; progress: {out}.log)")
                     futures[name] = pool.submit(_ensure_run_in_worker, config, out, threads)
                 done.update({name: future.result() for name, future in futures.items()})
-            finally:
-                pool.shutdown(cancel_futures=True)  # after a failure, do not start the runs still queued
     return {name: done[name] if name in done else ensure_run(config, out, log)
             for name, (config, out) in runs.items()}
 
@@ -183,25 +180,38 @@ def train_ahead(recipes: list[dict[Any, tuple[dict[str, Any], Path]]], jobs: int
         yield
         return
     threads = max(1, torch.get_num_threads() // jobs)
-    pool, started = None, []
+    started = []
     try:
-        with _worker_death_explained():
-            for runs in recipes:
-                for config, out in runs.values():
-                    if out.resolve() in _ahead or config["train"].get("init_from") or \
-                            finished(RunConfig.from_dict(config), out) is not None:
-                        continue
-                    if pool is None:
-                        pool = worker_pool(jobs)
-                        log(f"training ahead in {jobs} worker processes (each run's progress: <run directory>.log)")
-                    _ahead[out.resolve()] = pool.submit(_ensure_run_in_worker, config, out, threads)
-                    started.append(out.resolve())
-        yield
+        with closing_pool(worker_pool(jobs)) as pool:
+            with _worker_death_explained():
+                for runs in recipes:
+                    for config, out in runs.values():
+                        if out.resolve() in _ahead or config["train"].get("init_from") or \
+                                finished(RunConfig.from_dict(config), out) is not None:
+                            continue
+                        if not started:
+                            log(f"training ahead in {jobs} worker processes (each run's progress: <run directory>.log)")
+                        _ahead[out.resolve()] = pool.submit(_ensure_run_in_worker, config, out, threads)
+                        started.append(out.resolve())
+            yield
     finally:
         for out in started:
             _ahead.pop(out, None)
-        if pool is not None:
-            pool.shutdown(cancel_futures=True)
+
+
+@contextlib.contextmanager
+def closing_pool(pool: ProcessPoolExecutor):
+    """``pool`` for the block; then shut down. After a failure or an interrupt its workers are killed, not
+    waited for: they may be minutes into trainings that nothing will read now (an interrupted training resumes
+    from its last checkpoint), and a worker still waiting for work when the interpreter exits would hang it."""
+    try:
+        yield pool
+    except BaseException:
+        for process in list((getattr(pool, "_processes", None) or {}).values()):  # no public API before 3.14
+            process.terminate()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
 
 
 @contextlib.contextmanager

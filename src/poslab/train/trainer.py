@@ -215,7 +215,7 @@ class Trainer:
                 self.best = ckpt.load_resume_state(ckpt.resolve(self.out / CHECKPOINTS / "best",
                                                                self.notes.append))["best"]
         if parallel.is_main:
-            _init_out_dir(self.out, config, overwrite, hf_tokenizer(self.source), init)
+            _init_out_dir(self.out, config, overwrite, hf_tokenizer(self.source), init, fresh=last is None)
             if resume:
                 truncate_metrics(self.out / METRICS_FILE, self.step)
             self.monitor = Monitor(self.out, cfg.steps, self.step, resumed=resume)
@@ -274,7 +274,7 @@ class Trainer:
     # ---- the loop ---------------------------------------------------------------------------------------
 
     def fit(self) -> dict[str, Any]:
-        """Train to train.steps, then release the run directory. Returns step, train_loss (of the last step),
+        """Train to train.steps, then release the run directory. Returns step, train_loss (the last measured),
         seconds (this session's wall time), tokens_per_s (over this session's training steps, evaluation and
         checkpoints excluded), the final evaluation as eval_<metric>, and best_step / best_<metric>."""
         cfg, start_step, started = self.cfg, self.step, time.perf_counter()
@@ -357,7 +357,8 @@ class Trainer:
     def _skip(self, step: int, batch: dict[str, torch.Tensor], t0: float, data_seconds: float) -> dict[str, Any]:
         """A global batch without a labelled token (a short masked-LM batch can draw no mask) has no loss and no
         gradient: the step passes without an update. It still counts, so that the schedule and the data stay
-        functions of the step; the optimizer steps with every gradient None, which AdamW leaves alone."""
+        functions of the step; the optimizer steps with every gradient None, which AdamW leaves alone (and a
+        checkpoint saved before the first update keeps it so, see _save)."""
         if self.monitor is not None:
             self.monitor.message(f"step {step + 1}: the batch has no labelled token (all labels are -100); no update")
         lr = self.scheduler.get_last_lr()[0]
@@ -405,7 +406,15 @@ class Trainer:
 
     def _save(self, name: str) -> int:
         """Write checkpoints/<name> (a collective: every rank must call it). Returns the step saved."""
+        untouched = not self.optimizer.state  # every step so far passed without an update (see _skip)
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=FULL_STATE)
+        if untouched:
+            # get_state_dict filled AdamW's state by a step at lr 0, which counted as step 1: the first real
+            # update would then use the bias correction of a second one, and the weights would depend on
+            # train.checkpoint_every. Zero moments at step 0 are what a first update starts from.
+            for state in (*self.optimizer.state.values(), *optimizer_state["state"].values()):
+                if torch.is_tensor(state.get("step")):
+                    state["step"].zero_()
         # A step's loss is computed before its update, so an update can leave non-finite weights behind a finite
         # loss: never keep them as the last good checkpoint. (Finite but exploded weights are caught by the
         # evaluation, which always precedes the final save, or by the next step's loss.)
@@ -533,7 +542,7 @@ def _check_out_dir(out: Path, config: RunConfig, resume: bool, overwrite: bool) 
 
 
 def _init_out_dir(out: Path, config: RunConfig, overwrite: bool, tokenizer: Any = None,
-                  init: dict[str, Any] | None = None) -> None:
+                  init: dict[str, Any] | None = None, fresh: bool = True) -> None:
     """Called once everything is built, so a config error leaves no directory behind (rank 0 only).
     config.yaml goes first: a run killed later is a run directory that --resume recognises."""
     if overwrite:
@@ -548,6 +557,8 @@ def _init_out_dir(out: Path, config: RunConfig, overwrite: bool, tokenizer: Any 
     record_data(out, config, tokenizer)
     if init is not None:
         atomic_write_text(out / INIT_FILE, json.dumps(init, sort_keys=True))
+    elif fresh:  # left by a fine-tune killed before its config.yaml: this run starts from other weights
+        (out / INIT_FILE).unlink(missing_ok=True)
     atomic_write_text(out / CONFIG_FILE, config.to_yaml())
     (out / CHECKPOINTS).mkdir(exist_ok=True)
 
