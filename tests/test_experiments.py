@@ -507,6 +507,9 @@ def test_dstg_spectra_claims_train_every_seed_of_dstg_and_ap_neobert(tmp_path):
     assert {name: config["seed"] for name, (config, _) in trainings.items()} == {
         "dstg": 0, "dstg-s1": 1, "dstg-s2": 2, "ap_neobert": 0, "ap_neobert-s1": 1, "ap_neobert-s2": 2,
         "rope_neobert": 0, "rp_neobert": 0}
+    # Queued longest first, so that the workers finish together: every DSTG seed, then RP-, RoPE-, AP-NeoBERT.
+    assert list(trainings) == ["dstg", "dstg-s1", "dstg-s2", "rp_neobert", "rope_neobert", "ap_neobert",
+                               "ap_neobert-s1", "ap_neobert-s2"]
     for name in ("dstg-s2", "ap_neobert-s1"):
         config, out = trainings[name]
         first = trainings[name.split("-")[0]][0]
