@@ -373,6 +373,18 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch
     assert len(losses(tmp_path / "run")) == 2
 
 
+def _blank_batch(monkeypatch, blank: int) -> None:
+    """Task training batches as drawn, but the one of step ``blank`` (0-based) without a labelled token."""
+    from poslab.tasks.source import TaskSource
+
+    drawn = TaskSource.train_batch
+
+    def train_batch(self, step, *args, **kwargs):
+        batch = drawn(self, step, *args, **kwargs)
+        return {**batch, "labels": torch.full_like(batch["labels"], -100)} if step == blank else batch
+    monkeypatch.setattr(TaskSource, "train_batch", train_batch)
+
+
 def flat(state) -> list[torch.Tensor]:
     """Every tensor of a (nested) state dict, in key order (AdamW's step counts are tensors too)."""
     if torch.is_tensor(state):
@@ -384,19 +396,12 @@ def test_a_batch_without_labelled_tokens_passes_without_an_update(tmp_path, monk
     """A short masked-LM batch can draw no mask at all; the run used to stop there. The step now passes: no
     update (the weights and AdamW moments are those of the step before), the schedule and the data go on, the
     log says so, and the loss logged is the last one measured."""
-    from poslab.tasks.source import TaskSource
-
-    drawn = TaskSource.train_batch
-
-    def blank_second(self, step, *args, **kwargs):
-        batch = drawn(self, step, *args, **kwargs)
-        return {**batch, "labels": torch.full_like(batch["labels"], -100)} if step == 1 else batch
-    monkeypatch.setattr(TaskSource, "train_batch", blank_second)
+    _blank_batch(monkeypatch, 1)
     constant = {"schedule": "constant", "warmup_steps": 0, "checkpoint_every": 1}
     final = train(RunConfig.from_dict(tiny_config(steps=2, **constant)), tmp_path / "skipped")
     assert final["step"] == 2 and "step 2: the batch has no labelled token" in capsys.readouterr().err
     assert losses(tmp_path / "skipped") == [final["train_loss"]] * 2
-    monkeypatch.setattr(TaskSource, "train_batch", drawn)
+    monkeypatch.undo()
     train(RunConfig.from_dict(tiny_config(steps=1, **constant)), tmp_path / "one")
     for name in ("model.safetensors", ckpt.OPTIMIZER_FILE):
         state = [load_file(f) if name.endswith(".safetensors") else torch.load(f, weights_only=True)["state"]
@@ -408,14 +413,7 @@ def test_a_checkpoint_before_the_first_update_leaves_the_run_as_it_was(tmp_path,
     """Saving AdamW's state before any update makes torch fill it by a step at lr 0, counted as step 1: with the
     first batch blank, a checkpoint after it shifted the first real update's bias correction, and the weights
     depended on train.checkpoint_every. They no longer do, resumed or not."""
-    from poslab.tasks.source import TaskSource
-
-    drawn = TaskSource.train_batch
-
-    def blank_first(self, step, *args, **kwargs):
-        batch = drawn(self, step, *args, **kwargs)
-        return {**batch, "labels": torch.full_like(batch["labels"], -100)} if step == 0 else batch
-    monkeypatch.setattr(TaskSource, "train_batch", blank_first)
+    _blank_batch(monkeypatch, 0)
     for every in (1, 0):
         train(RunConfig.from_dict(tiny_config(steps=3, checkpoint_every=every)), tmp_path / f"every{every}")
     train(RunConfig.from_dict(tiny_config(steps=1, checkpoint_every=1)), tmp_path / "resumed")
