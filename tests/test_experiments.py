@@ -321,22 +321,29 @@ def test_every_recipe_runs_end_to_end_at_smoke_scale(tmp_path):
 
 def test_parallel_runs_equal_sequential_ones_and_skip_finished(tmp_path):
     """Two trainings side by side in worker processes give the metrics they give one after another (CPU
-    training is deterministic per seed), write their progress to a log, and are not trained again."""
-    from poslab.experiments.common import ensure_runs
+    training is deterministic per seed), write their progress to a log, and are not trained again. A fine-tune
+    of one of them in the same call waits for its start instead of racing it in another worker."""
+    from poslab.experiments.common import _ahead, ensure_runs
     from poslab.experiments.indirect_indexing import SCALES, run_config
 
     def runs(root):
-        return {seed: (run_config(SCALES["smoke"], "pope", seed), root / f"s{seed}") for seed in (0, 1)}
+        out = {seed: (run_config(SCALES["smoke"], "pope", seed), root / f"s{seed}") for seed in (0, 1)}
+        base = out[0][0]
+        out["tuned"] = ({**base, "train": {**base["train"], "steps": 2, "init_from": str(root / "s0")}},
+                        root / "tuned")
+        return out
 
     lines = []
     parallel = ensure_runs(runs(tmp_path / "par"), lines.append, jobs=2)
     sequential = ensure_runs(runs(tmp_path / "seq"), lambda _: None, jobs=1)
     timing = ("seconds", "tokens_per_s")
-    learned = {seed: {k: v for k, v in m.items() if k not in timing} for seed, m in parallel.items()}
-    assert learned == {seed: {k: v for k, v in m.items() if k not in timing} for seed, m in sequential.items()}
+    learned = {name: {k: v for k, v in m.items() if k not in timing} for name, m in parallel.items()}
+    assert learned == {name: {k: v for k, v in m.items() if k not in timing} for name, m in sequential.items()}
     assert learned[0] != learned[1]
-    assert sum("for a worker process" in line for line in lines) == 2
+    assert [line for line in lines if "worker processes" in line] == \
+           ["training in 2 worker processes (each run's progress: <run directory>.log)"]
     assert "step 3/3" in (tmp_path / "par" / "s0.log").read_text()
+    assert not (tmp_path / "par" / "tuned.log").exists() and _ahead == {}
     lines.clear()
     assert ensure_runs(runs(tmp_path / "par"), lines.append, jobs=2) == parallel and lines == []
 
@@ -393,8 +400,7 @@ def test_later_recipes_train_while_earlier_ones_are_analysed(tmp_path, monkeypat
     monkeypatch.setattr(runner, "RECIPES", {"one": ("ahead_recipes:run", "first"), "two": ("ahead_recipes:run", "")})
     lines = []
     runner.reproduce(["all"], "smoke", tmp_path, log=lines.append, jobs=2)
-    assert sum(line.startswith("training ahead in 2 worker processes") for line in lines) == 1
-    assert not any("queued" in line for line in lines) and _ahead == {}
+    assert sum(line.startswith("training in 2 worker processes") for line in lines) == 1 and _ahead == {}
     timing = ("seconds", "tokens_per_s")
     sequential = ensure_runs(trainings(tmp_path / "seq" / "two"), lambda _: None, jobs=1)
     for name in (0, 1, "tuned"):
@@ -583,9 +589,10 @@ def test_a_fine_tune_of_a_base_trained_again_into_other_weights_is_not_reused(tm
     shutil.rmtree(tmp_path / "base")
     assert first_trained_otherwise({"tuned": (tuned, tmp_path / "tuned")}) is None  # no base yet: nothing to compare
     ensure_run({**base, "seed": 1}, tmp_path / "base", lambda _: None)  # other weights under the same path
-    stale = r"tuned was trained with other settings \(initial weights: .*base.* holds other weights than the run"
+    stale = (r"tuned was trained with other settings \(the weights of train.init_from .*base\S* \(sha256 [0-9a-f]{12} "
+             r"there, [0-9a-f]{12} now\)\)")
     assert re.search(stale, first_trained_otherwise({"tuned": (tuned, tmp_path / "tuned")}))
-    with pytest.raises(PoslabError, match=stale):
+    with pytest.raises(PoslabError, match=stale + " than this version of the recipe uses"):
         ensure_run(tuned, tmp_path / "tuned", lambda _: None)
     (tmp_path / "tuned" / "init.json").unlink()
     with pytest.raises(PoslabError, match=r"\(initial weights unknown: no readable init.json"):

@@ -137,27 +137,13 @@ def ensure_runs(runs: dict[Any, tuple[dict[str, Any], Path]], log: Callable[[str
     """``ensure_run`` for each named (config, out), up to ``jobs`` at a time, and their final metrics by name.
 
     Small CPU models gain little from intra-op threads, so independent trainings side by side, each in its
-    own process with a share of this process's torch threads, use the cores better than one after another.
-    A parallel run's progress goes to ``out`` + ".log" (interleaved bars would be unreadable). Runs that
-    ``train_ahead`` started are waited for, not trained again. Under torchrun every rank trains every run
-    together, so runs stay sequential there.
+    own process with a share of this process's torch threads, use the cores better than one after another:
+    with ``jobs`` > 1 the runs train ahead (``train_ahead``) and this waits for them; runs that an enclosing
+    ``train_ahead`` started are waited for, not trained again. Fine-tunes, and every run under torchrun (where
+    all ranks train each run together), train here, one after another, once the others are done.
     """
-    with _worker_death_explained():
-        ahead = {name: _ahead[key] for name, (_, out) in runs.items() if (key := out.resolve()) in _ahead}
-        done = {name: future.result() for name, future in ahead.items()}
-        # RunConfig.from_dict prepares a corpus when the vocabulary comes from the data, so a corpus the runs
-        # share is prepared here, once, before any worker starts.
-        pending = {name: (config, out) for name, (config, out) in runs.items()
-                   if name not in ahead and finished(RunConfig.from_dict(config), out) is None}
-        if jobs > 1 and len(pending) > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-            workers = min(jobs, len(pending))
-            threads = max(1, torch.get_num_threads() // workers)
-            with closing_pool(worker_pool(workers)) as pool:
-                futures = {}
-                for name, (config, out) in pending.items():
-                    log(f"  queued {out.name} for a worker process ({workers} at a time; progress: {out}.log)")
-                    futures[name] = pool.submit(_ensure_run_in_worker, config, out, threads)
-                done.update({name: future.result() for name, future in futures.items()})
+    with train_ahead([runs], jobs, log), _worker_death_explained():
+        done = {name: _ahead[key].result() for name, (_, out) in runs.items() if (key := out.resolve()) in _ahead}
     return {name: done[name] if name in done else ensure_run(config, out, log)
             for name, (config, out) in runs.items()}
 
@@ -172,10 +158,12 @@ def train_ahead(recipes: list[dict[Any, tuple[dict[str, Any], Path]]], jobs: int
     name -> (config, out)), in the order given; ``ensure_runs`` then waits for a recipe's runs instead of
     training them. So while this process analyses one recipe's models, the workers train the next recipe's,
     and no core idles between recipes. Fine-tunes (train.init_from) are left to their recipe, which trains
-    them once their start is there. Nothing starts ahead with ``jobs`` 1 or under torchrun.
+    them once their start is there. Nothing starts ahead with ``jobs`` 1 or under torchrun. A run's progress
+    goes to its directory + ".log" (interleaved bars would be unreadable).
 
     A recipe's corpus is prepared here, in this process, once the runs before it are queued: while the
-    workers already train those."""
+    workers already train those. (RunConfig.from_dict prepares it when the vocabulary comes from the data, so
+    a corpus that runs share is prepared once, before a worker needs it.)"""
     if jobs <= 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         yield
         return
@@ -190,7 +178,7 @@ def train_ahead(recipes: list[dict[Any, tuple[dict[str, Any], Path]]], jobs: int
                                 finished(RunConfig.from_dict(config), out) is not None:
                             continue
                         if not started:
-                            log(f"training ahead in {jobs} worker processes (each run's progress: <run directory>.log)")
+                            log(f"training in {jobs} worker processes (each run's progress: <run directory>.log)")
                         _ahead[out.resolve()] = pool.submit(_ensure_run_in_worker, config, out, threads)
                         started.append(out.resolve())
             yield

@@ -521,7 +521,8 @@ def init_difference(run: Path, config: RunConfig) -> str | None:
         now = ckpt.weights_digest(start)
     except CheckpointError:
         return None
-    return None if now == saved else f"initial weights: {start} holds other weights than the run started from"
+    # In first_difference's words, so that a refusal reads like one for any other setting.
+    return None if now == saved else f"the weights of train.init_from {start} (sha256 {saved[:12]} there, {now[:12]} now)"
 
 
 def _check_out_dir(out: Path, config: RunConfig, resume: bool, overwrite: bool) -> None:
