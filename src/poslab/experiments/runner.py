@@ -245,11 +245,12 @@ def _run_recipes(names: list[str], scale: str, out: Path, force: bool, log: Call
     recipes = finished_at_scale(out, scale, log)
     modules = {name: importlib.import_module(RECIPES[name][0].split(":")[0]) for name in names}
     todo = [name for name in names if force or name not in recipes]
+    runs = {name: modules[name].runs(scale, out / name) for name in names}
     for name in names:
         # A run trained with other settings is refused before anything trains: in a finished recipe its numbers
         # would be reported as this version's; in one to run, training would stop there (every rank reads the
         # same files, so under torchrun all refuse together).
-        stale = first_trained_otherwise(modules[name].runs(scale, out / name))
+        stale = first_trained_otherwise(runs[name])
         if stale is not None and name not in todo:
             raise PoslabError(f"[{name}] finished in {out}, but {stale} than this version of the recipe uses; "
                               f"delete {out / name} to reproduce it again, or reproduce into another --out")
@@ -260,7 +261,7 @@ def _run_recipes(names: list[str], scale: str, out: Path, force: bool, log: Call
         _mark_scale(out, scale)
     # While one recipe is analysed, worker processes train the next ones' models (each recipe's seconds are then
     # the wall time of its turn, whose trainings may have started during the turns before it).
-    with train_ahead([modules[name].runs(scale, out / name) for name in todo], jobs, log):
+    with train_ahead([runs[name] for name in todo], jobs, log):
         for name in names:
             if name in todo:
                 _run_recipe(name, modules[name], recipes, scale, out, log, jobs, device)
