@@ -169,6 +169,37 @@ def test_a_preallocated_kv_cache_is_refused():
             m(ids[:, :5], cache=StaticCache(config=m.config, max_cache_len=16))
 
 
+@pytest.mark.parametrize("scheme", ALL)
+def test_decoding_with_a_cache_matches_the_full_forward_after_position_jumps(scheme):
+    """Bias schemes (ALiBi, T5) need the cached keys' positions: they were once rebuilt as consecutive ones
+    ending before the new token, which after a jump (packed documents, an offset) put every cached key at the
+    wrong distance (T5: logits off by 0.07)."""
+    from transformers import DynamicCache
+
+    m = model("decoder", scheme)
+    ids = torch.randint(0, 30, (2, 8))
+    positions = torch.tensor([[0, 1, 2, 3, 10, 11, 0, 1], [5, 6, 7, 8, 9, 40, 41, 42]])
+    with torch.no_grad():
+        full = m(ids, position_ids=positions).logits
+        cache = DynamicCache()
+        steps = [m(ids[:, :4], position_ids=positions[:, :4], cache=cache).logits]
+        steps += [m(ids[:, i:i + 1], position_ids=positions[:, i:i + 1], cache=cache).logits for i in range(4, 8)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scheme", ["alibi", "t5", "pope", "learned"])
+def test_left_padded_generate_equals_each_prompt_alone(scheme):
+    m = model("decoder", scheme)
+    g = torch.Generator().manual_seed(1)
+    long, short = torch.randint(1, 30, (1, 7), generator=g), torch.randint(1, 30, (1, 4), generator=g)
+    batch = torch.cat([long, torch.cat([torch.zeros(1, 3, dtype=torch.long), short], 1)])
+    mask = torch.ones_like(batch)
+    mask[1, :3] = 0
+    out = m.generate(batch, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(out[0], m.generate(long, max_new_tokens=6, do_sample=False, pad_token_id=0)[0])
+    assert torch.equal(out[1, 3:], m.generate(short, max_new_tokens=6, do_sample=False, pad_token_id=0)[0])
+
+
 @pytest.mark.parametrize("scheme", ["rope", "pope", "alibi"])
 def test_generate_is_greedy_decoding(scheme):
     m = model("decoder", scheme)

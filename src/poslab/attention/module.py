@@ -30,11 +30,13 @@ class MultiHeadAttention(nn.Module):
         self.__dict__["positional"] = positional
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, key_padding: torch.Tensor | None = None,
-                capture=None, name: str = "attn", kv_cache=None) -> torch.Tensor:
+                capture=None, name: str = "attn", kv_cache=None, key_positions: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """positions (batch or 1, n) long; key_padding (batch, past + n), 1 = real token.
 
         ``kv_cache`` is a Hugging Face ``Cache`` for incremental decoding: keys are stored after the
-        positional transform, so earlier tokens are never transformed again.
+        positional transform, so earlier tokens are never transformed again. With a cache, ``key_positions``
+        (batch or 1, past + n) are the positions of the cached and the new keys (``cached_key_positions``).
         """
         b, n, _ = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
@@ -70,8 +72,10 @@ class MultiHeadAttention(nn.Module):
                 raise InputError(f"the KV cache returned {k.shape[-2]} keys for {past} cached and {n} new tokens: "
                                  "poslab models take a cache that grows with the sequence (transformers' "
                                  "DynamicCache, generate's default), not a preallocated one such as StaticCache")
-            k_positions = torch.cat([torch.arange(past, device=x.device)[None].expand(positions.shape[0], -1) +
-                                     (positions[:, :1] - past), positions], dim=1)
+            if key_positions is None or key_positions.shape[-1] != past + n:
+                raise ValueError("attention with a KV cache needs the positions of its past + n keys "
+                                 "(key_positions, from cached_key_positions)")
+            k_positions = key_positions
         if pos is not None:
             bias = pos.logit_bias(positions, k_positions)
         out, probs, terms = attend({"content": (q, k)}, v, scale=scale, causal=self.causal,
@@ -83,3 +87,25 @@ class MultiHeadAttention(nn.Module):
             for term, logits in (terms or {}).items():
                 capture.record(f"{name}.logits.{term}", logits)
         return self.out(out.transpose(1, 2).reshape(b, n, -1))
+
+
+def cached_key_positions(cache, positions: torch.Tensor) -> torch.Tensor:
+    """(batch or 1, past + n): where every key sits once this step's n new ones (``positions``, (batch or 1, n))
+    are in ``cache``; the cache keeps them for the next step.
+
+    Hugging Face caches hold keys and values only, and bias schemes (ALiBi, T5) need the keys' positions: after
+    position_ids with a jump (packed documents, an offset) the cached keys do not sit just before the new ones.
+    A cache that lacks them, or holds a count or batch they no longer fit (``crop``, a batch expanded by
+    contrastive search), is taken to hold consecutive positions ending just before each row's first new one,
+    which is what ``generate`` makes."""
+    past = cache.get_seq_length()
+    held = getattr(cache, "poslab_key_positions", None)
+    if held is not None and held.shape[-1] >= past and held.shape[0] in (1, positions.shape[0]) \
+            and held.device == positions.device:
+        held = held[:, :past]
+    else:
+        held = torch.arange(past, device=positions.device)[None] + (positions[:, :1] - past)
+    batch = max(held.shape[0], positions.shape[0])
+    keys = torch.cat([held.expand(batch, -1), positions.expand(batch, -1)], dim=1)
+    cache.poslab_key_positions = keys
+    return keys

@@ -53,8 +53,10 @@ class Block(nn.Module):
         self.mlp = MLP_CLASSES[cfg.mlp](cfg.d_model, cfg.ffn_size)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, key_padding: torch.Tensor | None,
-                capture=None, name: str = "blocks.0", kv_cache=None) -> torch.Tensor:
-        attn_out = self.attn(self.attn_norm(x), positions, key_padding, capture, f"{name}.attn", kv_cache)
+                capture=None, name: str = "blocks.0", kv_cache=None, key_positions: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        attn_out = self.attn(self.attn_norm(x), positions, key_padding, capture, f"{name}.attn", kv_cache,
+                             key_positions)
         x = x + attn_out
         if capture is not None:
             capture.record(f"{name}.attn_out", attn_out)

@@ -13,6 +13,7 @@ from transformers import DynamicCache, GenerationMixin, PreTrainedConfig, PreTra
 from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast, MaskedLMOutput
 
+from poslab.attention.module import cached_key_positions
 from poslab.errors import ConfigError, check_token_ids
 from poslab.models.blocks import Block, make_norm
 from poslab.models.config import ModelConfig
@@ -97,6 +98,7 @@ class PoslabModel(PoslabPreTrainedModel):
         past = cache.get_seq_length() if cache is not None else 0
         positions = position_ids if position_ids is not None else torch.arange(past, past + n, device=input_ids.device)[None]
         key_padding = None if attention_mask is None or bool(attention_mask.all()) else attention_mask
+        key_positions = cached_key_positions(cache, positions) if cache is not None else None
         x = self.embed(input_ids)
         if self.input_positional is not None:
             x = self.input_positional(x, positions)
@@ -105,7 +107,7 @@ class PoslabModel(PoslabPreTrainedModel):
         for i, block in enumerate(self.blocks):
             if capture is not None:
                 capture.record(f"blocks.{i}.resid_pre", x)
-            x = block(x, positions, key_padding, capture, f"blocks.{i}", cache)
+            x = block(x, positions, key_padding, capture, f"blocks.{i}", cache, key_positions)
             if capture is not None:
                 capture.record(f"blocks.{i}.resid_post", x)
         x = self.final_norm(x)
