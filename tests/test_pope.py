@@ -5,16 +5,18 @@ import pytest
 import torch
 
 import poslab
+from poslab.errors import InputError
 from poslab.functional import pope_attention, pope_frequencies, pope_polar, pope_scores
 from poslab.models import ActivationCache
 
 
 def explicit_attention(q, k, v, delta, causal, scale):
-    """softmax(scale * a_ts) @ v with a_ts from the explicit loop-free formula, in fp64."""
-    logits = scale * pope_scores(q.double(), k.double(), delta)
+    """softmax(scale * a_ts) @ v with a_ts from the explicit loop-free formula, in fp64; the n queries are
+    the last n of the m keys' positions."""
+    n, m = q.shape[-2], k.shape[-2]
+    logits = scale * pope_scores(q.double(), k.double(), delta, q_positions=torch.arange(m - n, m))
     if causal:
-        n = q.shape[-2]
-        logits = logits.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        logits = logits.masked_fill(torch.ones(n, m, dtype=torch.bool).triu(1 + m - n), float("-inf"))
     return torch.softmax(logits, -1) @ v.double()
 
 
@@ -40,13 +42,20 @@ def test_cartesian_form_equals_polar_score():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("n,d", [(1, 8), (17, 16), (64, 32)])
-def test_pope_attention_matches_explicit(causal, n, d):
-    q, k, v = (torch.randn(2, 3, n, d) for _ in range(3))
+@pytest.mark.parametrize("n,m,d", [(1, 1, 8), (17, 17, 16), (64, 64, 32), (3, 6, 8), (1, 9, 16)])
+def test_pope_attention_matches_explicit(causal, n, m, d):
+    """n < m: the queries are the last n positions (new tokens after m - n cached ones), as the causal mask
+    places them; they once took positions 0..n-1 against that mask."""
+    q, k, v = torch.randn(2, 3, n, d), torch.randn(2, 3, m, d), torch.randn(2, 3, m, d)
     delta = -torch.rand(3, d) * 2 * math.pi
     got = pope_attention(q, k, v, delta, causal=causal)
     expected = explicit_attention(q, k, v, delta, causal, 1 / math.sqrt(d))
     torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_pope_attention_refuses_more_queries_than_keys():
+    with pytest.raises(InputError, match="at most as many queries as keys"):
+        pope_attention(torch.randn(1, 1, 5, 8), torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8))
 
 
 def pope_model(backend, delta_init="uniform", **options):

@@ -1,8 +1,11 @@
 """Positional schemes: parity with Hugging Face transformers and the definitions we commit to."""
+import dataclasses
 import math
 
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -137,7 +140,8 @@ def test_unknown_option_suggests_closest():
     ("rope", {"factor": 0.5}, "rope.factor must be >= 1"),
     ("pope", {"delta_init": "normal"}, "pope.delta_init must be one of"),
     ("t5", {"num_buckets": 2}, "t5.num_buckets must be >= 4"),
-    ("t5", {"num_buckets": 32, "max_distance": 10}, "t5.max_distance must exceed"),
+    ("t5", {"num_buckets": 32, "max_distance": 8}, "exact range \\(8\\) of 32 bidirectional buckets"),
+    ("t5", {"num_buckets": 32, "max_distance": 16, "bidirectional": False}, "exact range \\(16\\) of 32 causal"),
     ("rope", {"attention_factor": 0.0}, "rope.attention_factor must be > 0"),
     ("rope", {"attention_factor": -1.3}, "rope.attention_factor must be > 0"),
     ("rope", {"attention_factor": float("inf")}, "rope.attention_factor must be a finite number"),
@@ -221,3 +225,32 @@ def test_a_model_cast_keeps_its_fixed_tables_in_fp32(name, options, table, dtype
     kept = getattr(model.model.layer_positional[0], table)
     assert model.model.embed.weight.dtype == dtype  # the weights do follow the cast
     assert kept.dtype == torch.float32 and torch.equal(kept, exact)
+
+
+@settings(max_examples=60, deadline=None)
+@given(num_buckets=st.integers(4, 40), max_distance=st.integers(1, 100), causal=st.booleans())
+@example(num_buckets=6, max_distance=3, causal=True).via("the review's case")
+@example(num_buckets=10, max_distance=5, causal=True).via("the review's case")
+@example(num_buckets=7, max_distance=3, causal=True).via("the review's case")
+def test_every_accepted_t5_table_gives_buckets_in_range(num_buckets, max_distance, causal):
+    """Bucket counts that are not multiples of 4 once passed a check meant for another direction, and then
+    indexed the table with int64-min buckets (6 causal buckets up to distance 3)."""
+    geometry = AttentionGeometry(n_layers=1, n_heads=2, head_dim=8, d_model=16, max_seq_len=64, causal=causal)
+    try:
+        _, layers = build_positional(PositionalConfig("t5", {"num_buckets": num_buckets, "max_distance": max_distance,
+                                                             "init_std": 0.5}), geometry)
+    except ConfigError as error:
+        assert "t5.max_distance must exceed the exact range" in str(error)
+        return
+    rel = torch.arange(-150, 151)
+    buckets = relative_position_bucket(rel, not causal, num_buckets, max_distance)
+    assert buckets.min() >= 0 and buckets.max() < num_buckets
+    layers[0].logit_bias(torch.arange(5)[None], torch.arange(5)[None])
+
+
+def test_an_encoders_t5_table_may_end_where_a_decoders_could_not():
+    geometry = AttentionGeometry(n_layers=1, n_heads=2, head_dim=8, d_model=16, max_seq_len=64, causal=False)
+    build_positional(PositionalConfig("t5", {"num_buckets": 32, "max_distance": 16}), geometry)  # exact range 8
+    with pytest.raises(ConfigError, match="exact range \\(16\\) of 32 causal buckets"):
+        build_positional(PositionalConfig("t5", {"num_buckets": 32, "max_distance": 16}),
+                         dataclasses.replace(geometry, causal=True))

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from poslab.analysis.similarity import adjacency_score, cosine_self_similarity
+from poslab.errors import InputError
 
 __all__ = [
     "adjacency_score",
@@ -72,19 +73,24 @@ def pope_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delta: torch.Tensor | None = None, *,
     base: float = 10000.0, causal: bool = False, scale: float | None = None,
 ) -> torch.Tensor:
-    """softmax(scale * a_ts) @ v with the PoPE score a_ts (see ``pope_scores``); positions 0..n-1.
+    """softmax(scale * a_ts) @ v with the PoPE score a_ts (see ``pope_scores``).
 
-    q, k, v (batch, heads, n, d); delta (heads, d) or None; scale defaults to 1/sqrt(d) (the pre-doubling
-    d, as in the reference implementation). Returns (batch, heads, n, d). Runs the fused Triton kernel
-    on CUDA when it is available, otherwise the Cartesian form through SDPA.
+    q (batch, heads, n, d), k, v (batch, heads, m, d), n <= m: keys at positions 0..m-1, queries at m-n..m-1
+    (the last n, e.g. new tokens after m-n cached ones); delta (heads, d) or None; scale defaults to 1/sqrt(d)
+    (the pre-doubling d, as in the reference implementation). Returns (batch, heads, n, d). Runs the fused
+    Triton kernel on CUDA when it is available, otherwise the Cartesian form through SDPA.
     """
     from poslab.attention.pope import pope_sdpa  # late: attention imports this module
 
+    if q.shape[-2] > k.shape[-2]:
+        raise InputError(f"pope_attention takes at most as many queries as keys (the queries are the last of "
+                         f"them), got {q.shape[-2]} queries and {k.shape[-2]} keys")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     from poslab.kernels import fused_pope_supports
 
     if q.is_cuda and fused_pope_supports(q):
         from poslab.kernels.pope_flash import pope_flash_attention
 
-        return pope_flash_attention(q, k, v, delta, base=base, causal=causal, scale=scale)
+        return pope_flash_attention(q, k, v, delta, base=base, causal=causal, scale=scale,
+                                    q_start=k.shape[-2] - q.shape[-2])
     return pope_sdpa(q, k, v, delta, base=base, causal=causal, scale=scale)

@@ -34,11 +34,21 @@ class T5Options:
 
     def __post_init__(self) -> None:
         require(self.num_buckets >= 4, f"t5.num_buckets must be >= 4, got {self.num_buckets}")
-        exact = self.num_buckets // 4  # the smaller of the two cases (bidirectional halves the buckets)
-        require(self.max_distance > 2 * exact,
-                f"t5.max_distance must exceed the exact range ({2 * exact}) of {self.num_buckets} buckets, "
-                f"got {self.max_distance}")
+        # Direction left to the model: the bidirectional case's bound, the smaller; build checks the other.
+        self.check_range(self.bidirectional is not False)
         require(self.init_std >= 0, f"t5.init_std must be >= 0, got {self.init_std}")
+
+    def check_range(self, bidirectional: bool) -> None:
+        """The log-spaced buckets span max_exact..max_distance: an empty span divides by log(1) = 0."""
+        exact = exact_range(self.num_buckets, bidirectional)
+        require(self.max_distance > exact,
+                f"t5.max_distance must exceed the exact range ({exact}) of {self.num_buckets} "
+                f"{'bidirectional' if bidirectional else 'causal'} buckets, got {self.max_distance}")
+
+
+def exact_range(num_buckets: int, bidirectional: bool) -> int:
+    """Distances below this get a bucket each: half of a direction's buckets (a bidirectional table halves them)."""
+    return (num_buckets // 2 if bidirectional else num_buckets) // 2
 
 
 def relative_position_bucket(relative_position: torch.Tensor, bidirectional: bool = True,
@@ -87,6 +97,7 @@ class T5RelativeBias(Scheme):
     @classmethod
     def build(cls, options: T5Options, geometry: AttentionGeometry):
         bidirectional = (not geometry.causal) if options.bidirectional is None else options.bidirectional
+        options.check_range(bidirectional)
         if options.shared_across_layers:
             return None, [RelativeBias(options, geometry.n_heads, bidirectional)] * geometry.n_layers
         return None, [RelativeBias(options, geometry.n_heads, bidirectional) for _ in range(geometry.n_layers)]
