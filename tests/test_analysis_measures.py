@@ -6,7 +6,7 @@ import torch
 
 from poslab.analysis.frequencies import frequency_sums, usage_summary
 from poslab.analysis.heads import allowed_keys, label_heads, term_variances, variance_shares
-from poslab.analysis.spectra import dct_power, pca, spectrum_summary
+from poslab.analysis.spectra import dct_power, pca, spectrum_summary, top2_at_width
 from poslab.analysis.variance import position_variance, variance_profile, variance_trend
 
 
@@ -44,6 +44,21 @@ def test_pca_of_a_rank_two_smooth_table():
     assert exact["dct_power"][2:] == [[0.0] * 64] * 2 and exact["low_bin_share"][2:] == [0.0, 0.0]
     noisy = spectrum_summary(torch.randn(64, 32))  # an entangled-looking table: no dominant smooth axes
     assert noisy["top2_explained"] < 0.25 and sum(noisy["low_bin_share"]) / 4 < 0.3
+
+
+def test_top2_share_at_a_narrower_width():
+    """A rank-2 table keeps its share through a projection; a random one falls to a random table's at that
+    width, which is far above its own share at full width (the width effect the comparison removes)."""
+    g = torch.Generator().manual_seed(0)
+    pos = torch.arange(41, dtype=torch.float64)
+    flat = torch.stack([torch.cos(math.pi * pos / 40), pos / 40], 1) @ torch.randn(2, 64, generator=g, dtype=torch.float64)
+    assert top2_at_width(flat, 16) == pytest.approx(1.0)
+    wide = torch.randn(41, 64, generator=g, dtype=torch.float64)
+    narrow = [float(pca(torch.randn(41, 16, generator=g, dtype=torch.float64))[0][:2].sum()) for _ in range(32)]
+    full = float(pca(wide)[0][:2].sum())
+    assert top2_at_width(wide, 16) == pytest.approx(sum(narrow) / len(narrow), abs=0.03)
+    assert top2_at_width(wide, 16) > full + 0.1
+    assert top2_at_width(wide, 64) == full and top2_at_width(wide, 16, seed=1) != top2_at_width(wide, 16)
 
 
 def test_dct_power_locates_a_pure_cosine():

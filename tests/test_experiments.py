@@ -900,3 +900,17 @@ def test_indirect_indexing_chance_levels_match_guessers_on_the_task():
         blind_hits += (source if int(shift) == 0 else rng.choice(letters.replace(source, ""))) == answer
     chance, blind = chance_levels(task)
     assert abs(random_hits / len(problems) - chance) < 0.02 and abs(blind_hits / len(problems) - blind) < 0.025
+
+
+def test_dstg_structure_beyond_position_compares_each_models_gain_over_position_alone():
+    """Sentence index is mostly told by the token's position: the strict claim judges what the last layer
+    adds to a probe of the position alone, not its R^2, which the position inflates for every model."""
+    from poslab.experiments.dstg import structure_beyond_position
+
+    def beyond(dstg_both):
+        both = {"dstg": dstg_both, "ap_neobert": 0.80, "rope_neobert": 0.79, "rp_neobert": 0.78}
+        return {m: {"position alone": 0.77, "last layer + position": v} for m, v in both.items()}
+
+    held = structure_beyond_position(beyond(0.85))
+    assert held.held and held.ours["dstg"] == pytest.approx(0.08) and held.ours["position alone"] == 0.77
+    assert not structure_beyond_position(beyond(0.799)).held
