@@ -231,6 +231,23 @@ def test_rng_state_round_trip():
     assert first[:2] == second[:2] and torch.equal(first[2], second[2])
 
 
+def test_rng_state_keeps_only_this_ranks_gpu(monkeypatch):
+    """Every visible GPU's state was saved and restored by index: a resume that saw fewer GPUs per process
+    (another node, one GPU per task) raised IndexError, and each rank overwrote the other GPUs' states."""
+    saved, restored = {}, []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: saved.setdefault(device, torch.tensor([device.index])))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append((state.item(), device.index)))
+    state = ckpt.rng_state(torch.device("cuda", 3))
+    assert list(saved) == [torch.device("cuda", 3)] and state["cuda"].item() == 3
+    ckpt.set_rng_state(state, torch.device("cuda", 0))  # resumed as the only GPU of its process
+    old = {**state, "cuda": [torch.tensor([10]), torch.tensor([11])]}  # an older checkpoint's list
+    ckpt.set_rng_state(old, torch.device("cuda", 1))
+    ckpt.set_rng_state(old, torch.device("cuda", 2))  # no state at that index: the fresh seed stays
+    ckpt.set_rng_state(old, torch.device("cpu"))
+    assert restored == [(3, 0), (11, 1)]
+    assert "cuda" not in ckpt.rng_state(torch.device("cpu"))
+
+
 # ---- training -----------------------------------------------------------------------------------------------
 
 def test_resume_continues_bitwise(tmp_path, monkeypatch):

@@ -78,8 +78,10 @@ def crash_point(name: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def rng_state() -> dict[str, Any]:
-    """This process's generator states, as tensors and plain Python values (loadable with weights_only)."""
+def rng_state(device: torch.device = torch.device("cpu")) -> dict[str, Any]:
+    """This process's generator states, as tensors and plain Python values (loadable with weights_only).
+    On a GPU, only ``device``'s: the one this rank draws from. (A resume may see fewer GPUs per process, on
+    another node or with one GPU per task, and each rank would otherwise overwrite the others' states.)"""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {
         "python": random.getstate(),
@@ -87,18 +89,22 @@ def rng_state() -> dict[str, Any]:
                   "has_gauss": has_gauss, "gauss": gauss},
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any], device: torch.device = torch.device("cpu")) -> None:
     random.setstate(state["python"])
     n = state["numpy"]
     np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if isinstance(cuda, list):  # written before 2026-11-30: every visible GPU's state, this rank's at its index
+        cuda = cuda[device.index] if device.type == "cuda" and device.index is not None and \
+            device.index < len(cuda) else None
+    if cuda is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(cuda, device)
 
 
 def save_checkpoint(

@@ -50,7 +50,7 @@ class Monitor:
         self.stream = stream or sys.stderr
         self.started = time.perf_counter()
         self.metrics = open(out_dir / METRICS_FILE, "a", buffering=1)
-        self.tensorboard = _tensorboard(out_dir / "tensorboard", start_step if resumed else None)
+        self.tensorboard = _tensorboard(out_dir / "tensorboard", out_dir / METRICS_FILE if resumed else None)
         self.progress = None
         if self.stream.isatty():
             self.progress = Progress(
@@ -64,7 +64,7 @@ class Monitor:
             self.progress.update(self.task, completed=step)
 
     def log_train(self, step: int, record: dict[str, float]) -> None:
-        self._write(step, record, "train")
+        self._write(step, record)
         status = f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  {record['tokens_per_s']:,.0f} tok/s"
         if self.progress is not None:
             self.progress.update(self.task, completed=step, status=status)
@@ -72,7 +72,7 @@ class Monitor:
             self._print(f"step {step}/{self.total}  {status}  eta {self._eta(step)}")
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
-        self._write(step, {f"eval_{k}": v for k, v in metrics.items()}, "eval")
+        self._write(step, {f"eval_{k}": v for k, v in metrics.items()})
         self._print(f"eval at step {step}: " + "  ".join(f"{k} {_fmt(v)}" for k, v in metrics.items()))
 
     def message(self, text: str) -> None:
@@ -85,11 +85,10 @@ class Monitor:
             self.tensorboard.close()
         self.metrics.close()
 
-    def _write(self, step: int, record: dict[str, Any], group: str) -> None:
+    def _write(self, step: int, record: dict[str, Any]) -> None:
         self.metrics.write(json.dumps({"step": step, **record}) + "\n")
         if self.tensorboard is not None:
-            for key, value in record.items():
-                self.tensorboard.add_scalar(f"{group}/{key.removeprefix('eval_')}", value, step)
+            _add_scalars(self.tensorboard, step, record)
 
     def _print(self, text: str) -> None:
         if self.progress is not None:
@@ -107,15 +106,32 @@ class Monitor:
         return f"{hours}:{minutes:02d}:{seconds:02d}"
 
 
-def _tensorboard(path: Path, resumed_at: int | None):
+def _tensorboard(path: Path, replay: Path | None):
     try:  # optional: TensorBoard is not a dependency
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         return None
-    # A resumed run redoes the steps after its checkpoint: hide what a crashed run logged for them, as
-    # metrics.jsonl is cut back -- all of it when no checkpoint was reached (a resume from step 0).
-    purge = None if resumed_at is None else resumed_at + 1 if resumed_at else 0
-    return SummaryWriter(str(path), purge_step=purge)
+    # A resumed run redoes the steps after its checkpoint, and ``replay`` (its metrics.jsonl) is cut back to
+    # it: the curves are rebuilt from that file, so they lose what a crashed run logged past the checkpoint.
+    # (A purge_step in a new events file relies on TensorBoard reading the files in the order they were
+    # written, which their names do not give within one second.) The old files go once the new one is whole.
+    old = sorted(path.glob("events.out.tfevents.*")) if replay is not None else []
+    writer = SummaryWriter(str(path))
+    if replay is not None and replay.exists():
+        for line in replay.read_text(encoding="utf-8").splitlines():
+            record = json.loads(line)
+            _add_scalars(writer, record.pop("step"), record)
+        writer.flush()
+    for file in old:
+        file.unlink()
+    return writer
+
+
+def _add_scalars(writer, step: int, record: dict[str, Any]) -> None:
+    """A metrics.jsonl record's values as TensorBoard scalars: train/<key>, and eval/<metric> for eval_<metric>."""
+    for key, value in record.items():
+        group = "eval" if key.startswith("eval_") else "train"
+        writer.add_scalar(f"{group}/{key.removeprefix('eval_')}", value, step)
 
 
 def _fmt(value: float) -> str:

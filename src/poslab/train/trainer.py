@@ -207,7 +207,7 @@ class Trainer:
             _load_moments(self.model, self.optimizer, optimizer_state)
             done = scheduler_state["last_epoch"]
             if parallel.rank < len(rng_states):  # a resume on more ranks keeps the fresh per-rank seeds
-                ckpt.set_rng_state(rng_states[parallel.rank])
+                ckpt.set_rng_state(rng_states[parallel.rank], self.device)
             self.step, self.best, self.last_loss = state["step"], state["best"], state["last_loss"]
         self.scheduler = build_scheduler(self.optimizer, cfg, done)
         if resume and _exists(self.out / CHECKPOINTS / "best"):  # best may be newer than last: trust its record
@@ -422,7 +422,7 @@ class Trainer:
         bad = self.parallel.broadcast(bad)  # rank 0 holds the full state; every rank must stop together
         if bad is not None:
             self._diverged(f"weight {bad} is not finite after step {self.step}")
-        rng_states = self.parallel.gather(ckpt.rng_state())
+        rng_states = self.parallel.gather(ckpt.rng_state(self.device))
         if self.parallel.is_main:
             ckpt.save_checkpoint(self.out / CHECKPOINTS / name, unwrap(self.model), model_state, optimizer_state,
                                  self.scheduler.state_dict(), rng_states,
