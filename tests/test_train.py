@@ -898,6 +898,24 @@ def test_generic_evaluation_is_loss_and_accuracy_on_labelled_tokens(arch):
     assert metrics["tokens"] == int(keep.sum()) and model.training
 
 
+def test_a_resume_on_another_evaluation_set_chooses_the_best_checkpoint_again(tmp_path):
+    """The best record held only the metric: after a resume with another eval_split or eval_batches, new
+    evaluations were compared with a value measured on other data."""
+    run = tmp_path / "run"
+    first = train(RunConfig.from_dict(tiny_config(steps=4, eval_every=2)), run)
+    huge = {"metric": "loss", "value": -1.0, "step": first["best_step"]}  # unbeatable on the same set
+    for which in ("last", "best"):
+        state_file = run / "checkpoints" / which / ckpt.STATE_FILE
+        state = json.loads(state_file.read_text())
+        state["best"] = {**huge, "on": state["best"]["on"]}
+        state_file.write_text(json.dumps(state))
+        ckpt.write_manifest(run / "checkpoints" / which)
+    same = train(RunConfig.from_dict(tiny_config(steps=6, eval_every=2)), run, resume=True)
+    assert same["best_step"] == first["best_step"]
+    other = train(RunConfig.from_dict(tiny_config(steps=8, eval_every=2, eval_split="test")), run, resume=True)
+    assert other["best_step"] == 8 and other["best_loss"] > 0
+
+
 @pytest.mark.parametrize("crash_at", [3, 1])
 def test_tensorboard_forgets_the_steps_a_resume_redoes(tmp_path, monkeypatch, crash_at):
     """metrics.jsonl is cut back to the checkpoint a crashed run resumes from; TensorBoard's curves must drop

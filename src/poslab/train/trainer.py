@@ -396,11 +396,19 @@ class Trainer:
             self._diverged(f"evaluation loss is {metrics['loss']} at step {self.step}")
         name, mode = self.cfg.best_metric, self.cfg.best_mode
         value = metrics[name]
-        best = self.best if self.best is not None and self.best["metric"] == name else None  # metric changed
+        # A resume may change the metric or the evaluation set: a best measured otherwise is not comparable.
+        # (Records written before the set was recorded count as this one's.)
+        on = {"split": self.cfg.eval_split, "batches": self.cfg.eval_batches,
+              "batch_size": self.cfg.eval_batch_size or self.cfg.batch_size}
+        best = self.best if self.best is not None and self.best["metric"] == name \
+            and self.best.get("on", on) == on else None
+        if best is None and self.best is not None and self.monitor is not None:
+            self.monitor.message(f"the best checkpoint so far (step {self.best['step']}) was chosen by another "
+                                 "metric or evaluation set; this evaluation starts the choice again")
         better = math.isfinite(value) and (best is None or (value < best["value"] if mode == "min"
                                                             else value > best["value"]))
         if better:
-            self.best = {"metric": name, "value": value, "step": self.step}
+            self.best = {"metric": name, "value": value, "step": self.step, "on": on}
             self._save("best")
         return self.step, metrics
 
