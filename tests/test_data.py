@@ -423,27 +423,37 @@ def test_on_the_fly_preparation_is_cached(tmp_path):
     assert first.vocab_size == second.vocab_size
 
 
-def test_cache_entry_of_local_files_is_theirs(tmp_path, monkeypatch):
+LOCAL_SOURCES = {  # a source naming one local file, and how that file holds a text
+    "text": ({"type": "text", "paths": "corpus.txt"}, "corpus.txt", lambda text: text + "\n"),
+    "hf": ({"type": "hf", "name": "json", "data_files": "corpus.jsonl", "streaming": False}, "corpus.jsonl",
+           lambda text: json.dumps({"text": text}) + "\n"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(LOCAL_SOURCES))
+def test_cache_entry_of_local_files_is_theirs(tmp_path, monkeypatch, kind):
     """A relative corpus path read from another directory is another corpus: another cache entry. A corpus
     edited in place after its preparation is refused in one line (runs trained on the old one may still read
-    that entry); a corpus deleted after its preparation leaves the entry usable."""
-    corpus = tmp_path / "a" / "corpus.txt"
+    that entry); a corpus deleted after its preparation leaves the entry usable. (An hf source's local
+    data_files once went into neither the key nor the check: another project's corpus trained silently on the
+    first one's prepared data.)"""
+    source, name, holding = LOCAL_SOURCES[kind]
+    corpus = tmp_path / "a" / name
     corpus.parent.mkdir()
-    corpus.write_text("The first corpus. It is short.\n")
+    corpus.write_text(holding("The first corpus. It is short."))
     monkeypatch.chdir(tmp_path / "a")
-    options = {"source": {"type": "text", "paths": "corpus.txt"}, "tokenizer": {**TOKENIZER, "min_frequency": 1},
-               "cache_dir": str(tmp_path / "cache")}
+    options = {"source": source, "tokenizer": {**TOKENIZER, "min_frequency": 1}, "cache_dir": str(tmp_path / "cache")}
     tokens = lambda: build_lm_source(0, **options).corpus.split("train").n_tokens  # noqa: E731
     first = tokens()
     assert tokens() == first and len(list((tmp_path / "cache").iterdir())) == 1  # unchanged: reused
 
     (tmp_path / "b").mkdir()
-    (tmp_path / "b" / "corpus.txt").write_text("Another project's corpus. Only its name is that of the first.\n")
+    (tmp_path / "b" / name).write_text(holding("Another project's corpus. Only its name is that of the first."))
     monkeypatch.chdir(tmp_path / "b")
     assert tokens() != first and len(list((tmp_path / "cache").iterdir())) == 2
 
     monkeypatch.chdir(tmp_path / "a")
-    corpus.write_text("The edited corpus. It is longer now, by a few words.\n")
+    corpus.write_text(holding("The edited corpus. It is longer now, by a few words."))
     with pytest.raises(DataError, match=rf"^{corpus} changed \(size or modification time\) since it was prepared "
                                         r"into .*; delete that directory to prepare the corpus again$"):
         tokens()

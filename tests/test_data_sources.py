@@ -204,6 +204,36 @@ def test_hf_source_local_directory_and_errors(tmp_path):
         list(HFSource(name="json", data_files=str(tmp_path / "missing.jsonl")).documents())
 
 
+@pytest.mark.parametrize("source,message", [
+    ({"type": "text", "paths": "x", "glob": 5}, "text source glob must be a string, got 5"),
+    ({"type": "text", "paths": "x", "doc_separator": 5}, "text source doc_separator must be a string or null"),
+    ({"type": "jsonl", "paths": "x", "text_field": ["a"]}, "jsonl source text_field must be a string"),
+    ({"type": "hf", "name": "json", "streaming": "maybe"}, "hf source streaming must be true or false"),
+    ({"type": "hf", "name": "json", "data_files": {"train": 5}}, "hf source data_files must be a path, a list"),
+    ({"type": "hf", "name": "json", "data_files": []}, "hf source data_files must be a path, a list"),
+])
+def test_source_options_of_the_wrong_type_are_one_line(source, message):
+    """Were tracebacks (glob 5: 'int' object is not subscriptable) or silently kept (streaming 'maybe')."""
+    with pytest.raises(ConfigError, match=f"^{message}"):
+        open_source(source)
+
+
+def test_hf_source_names_its_local_files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ds").mkdir()
+    for name in ("a.jsonl", "b.jsonl"):
+        (tmp_path / "ds" / name).write_text(json.dumps({"text": "Hi."}) + "\n")
+    builder = HFSource(name="json", data_files={"train": ["ds/*.jsonl"]})
+    assert builder.local_paths == [str(tmp_path / "ds" / "*.jsonl")]
+    assert builder.files == [tmp_path / "ds" / "a.jsonl", tmp_path / "ds" / "b.jsonl"]
+    assert HFSource(name="ds").files == builder.files  # a local dataset directory
+    assert HFSource(name="ds", data_files="a.jsonl").files == [tmp_path / "ds" / "a.jsonl"]
+    hub = HFSource(name="HuggingFaceFW/fineweb", data_files="data/*.parquet")
+    assert hub.local_paths == [] and hub.files == []
+    with pytest.raises(DataError, match="no local file matches"):
+        HFSource(name="json", data_files="gone.jsonl").files
+
+
 def test_source_config_validation():
     with pytest.raises(ConfigError, match="did you mean 'jsonl'"):
         open_source({"type": "jsonl_", "paths": "x"})

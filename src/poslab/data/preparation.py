@@ -357,6 +357,8 @@ def _named_paths(config: DataConfig) -> list[str]:
     project)."""
     paths = config.source.get("paths") if isinstance(config.source, dict) else None
     named = [paths] if isinstance(paths, str) else list(paths or [])
+    if isinstance(config.source, dict) and config.source.get("type") == "hf":  # local files it names, if any
+        named += open_source(config.source).local_paths
     if config.tokenizer.path is not None:
         named.append(config.tokenizer.path)
     return [str(Path(path).resolve()) for path in named]

@@ -11,6 +11,7 @@ count of the latest pass) so that preparation can report it instead of failing o
 """
 from __future__ import annotations
 
+import glob
 import itertools
 import json
 import re
@@ -22,7 +23,7 @@ from typing import Any
 from poslab.data.config import from_dict
 from poslab.data.sentences import segment
 from poslab.data.synthetic import SyntheticCorpus, SyntheticOptions
-from poslab.errors import ConfigError, DataError, lookup, require
+from poslab.errors import ConfigError, DataError, check_fields, lookup, require
 
 Document = list[list[str]]
 _ESCAPED = re.compile("[\udc80-\udcff]")  # invalid bytes, as the 'surrogateescape' decoder leaves them
@@ -70,6 +71,7 @@ class TextOptions:
     max_documents: int | None = None
 
     def __post_init__(self) -> None:
+        check_fields(self, "text source ")
         _limit(self.max_documents)
 
 
@@ -111,6 +113,7 @@ class JsonlOptions:
     max_documents: int | None = None
 
     def __post_init__(self) -> None:
+        check_fields(self, "jsonl source ")
         _limit(self.max_documents)
 
 
@@ -163,7 +166,20 @@ class HFOptions:
 
     def __post_init__(self) -> None:
         require(isinstance(self.name, str) and bool(self.name), "hf source needs 'name' (a dataset name or path)")
+        check_fields(self, "hf source ")
+        require(self.data_files is None or _data_file_patterns(self.data_files),
+                "hf source data_files must be a path, a list of paths, or a mapping of split to path(s), got "
+                f"{self.data_files!r}")
         _limit(self.max_documents)
+
+
+def _data_file_patterns(files: Any) -> list[str]:
+    """The paths and globs of a ``data_files`` option (a path, a list, or split -> path or list), or [] when
+    it is none of these."""
+    entries = [files] if isinstance(files, str) else list(files.values()) if isinstance(files, dict) else \
+        files if isinstance(files, list) else []
+    flat = [f for entry in entries for f in (entry if isinstance(entry, list) else [entry])]
+    return flat if all(isinstance(f, str) and f for f in flat) else []
 
 
 class HFSource:
@@ -175,6 +191,39 @@ class HFSource:
     def __init__(self, **options: Any) -> None:
         self.opts: HFOptions = from_dict(HFOptions, options, "hf source")
         self.invalid_utf8 = 0  # datasets decodes text itself
+
+    @property
+    def local_paths(self) -> list[str]:
+        """The local paths the options name, absolute: ``data_files`` (paths and globs) resolved as
+        ``load_dataset`` does, against a local directory given as ``name``, else ``data_dir``, else the working
+        directory; without them, a local ``name`` or ``data_dir`` directory. None for a hub dataset (a name
+        with a '/' that is no local directory). Preparation keys its cache by them, as by a text source's
+        paths."""
+        o = self.opts
+        local_name = Path(o.name).is_dir()
+        if o.data_files is None:
+            named = [d for d in (o.name, o.data_dir) if d is not None and Path(d).is_dir()]
+        elif local_name or "/" not in o.name:  # a local dataset or a packaged builder (json, parquet, ...)
+            base = Path(o.name) if local_name else Path(o.data_dir or ".")
+            named = [str(base / pattern) for pattern in _data_file_patterns(o.data_files)]
+        else:
+            named = []
+        return [str(Path(p).resolve()) for p in named]
+
+    @property
+    def files(self) -> list[Path]:
+        """The files behind ``local_paths`` (directories searched, globs expanded), or DataError when one of
+        them names nothing: preparation checks its cache entry against their sizes and times."""
+        found: set[Path] = set()
+        for path in self.local_paths:
+            if Path(path).is_dir():
+                found.update(f for f in Path(path).rglob("*") if f.is_file())
+                continue
+            matches = [Path(f) for f in glob.glob(path, recursive=True) if Path(f).is_file()]
+            if not matches:
+                raise DataError(f"no local file matches {path}")
+            found.update(matches)
+        return sorted(found)
 
     def _texts(self) -> Iterator[str]:
         import datasets
