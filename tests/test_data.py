@@ -382,6 +382,11 @@ def test_force_replaces_only_an_empty_or_prepared_directory(tmp_path):
     # A trained WordPiece encodes any unseen character as unk: without one, preparation died with a traceback
     # at the first such character, possibly hours in.
     ({"tokenizer": {"special_tokens": {"unk": None}}}, "a trained wordpiece tokenizer needs an unk token"),
+    # Were tracebacks from the trainer (5, [1]), or accepted: one id for [CLS] and [SEP], an empty token.
+    ({"tokenizer": {"special_tokens": {"cls": 5}}}, "special_tokens.cls must be a token .* got 5"),
+    ({"tokenizer": {"special_tokens": {"cls": [1]}}}, "special_tokens.cls must be a token"),
+    ({"tokenizer": {"special_tokens": {"cls": ""}}}, "special_tokens.cls must be a token"),
+    ({"tokenizer": {"special_tokens": {"cls": "[X]", "sep": "[X]"}}}, "gives '\\[X\\]' more than one role"),
 ])
 def test_config_errors(options, message):
     with pytest.raises(ConfigError, match=message):
@@ -410,6 +415,32 @@ def test_source_level_errors(prepared):
         next(build_mlm_source(0, prepared=str(prepared)).eval_batches("test", 4))
     with pytest.raises(ConfigError, match="multiple of world_size"):
         build_mlm_source(0, prepared=str(prepared)).train_batch(0, 6, rank=0, world_size=4)
+
+
+def test_a_damaged_prepared_directory_is_one_line(prepared, tmp_path):
+    """A prepared directory whose manifest lacks a key, or whose tokenizer is gone or garbage, was a KeyError,
+    ValueError or JSONDecodeError traceback; a tokenizer.path naming a file that is no tokenizer, likewise."""
+    import shutil
+
+    manifest = json.loads((prepared / "manifest.json").read_text())
+    for name, change in [("no_splits", lambda m: m.pop("splits")), ("no_vocab", lambda m: m["tokenizer"].pop("vocab_size"))]:
+        copy = tmp_path / name
+        shutil.copytree(prepared, copy)
+        broken = json.loads(json.dumps(manifest))
+        change(broken)
+        (copy / "manifest.json").write_text(json.dumps(broken))
+        with pytest.raises(DataError, match=rf"^{copy}/manifest.json is corrupt \(KeyError: .*\); prepare the data again$"):
+            PreparedCorpus(copy)
+    for name, damage in [("gone", lambda d: [f.unlink() for f in d.iterdir()]),
+                         ("garbage", lambda d: (d / "tokenizer.json").write_text("{not json"))]:
+        copy = tmp_path / name
+        shutil.copytree(prepared, copy)
+        damage(copy / manifest["tokenizer"]["directory"])
+        with pytest.raises(DataError, match=rf"^cannot load the tokenizer saved in {copy}/.*; prepare the data again$"):
+            PreparedCorpus(copy).tokenizer
+    (tmp_path / "notes.txt").write_text("not a tokenizer\n")
+    with pytest.raises(DataError, match=r"^cannot load tokenizer from .*notes.txt: .*\(not a tokenizers tokenizer.json\)$"):
+        load_tokenizer(tmp_path / "notes.txt")
 
 
 def test_on_the_fly_preparation_is_cached(tmp_path):

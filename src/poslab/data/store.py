@@ -97,14 +97,22 @@ class PreparedCorpus:
         if self.manifest.get("version") != MANIFEST_VERSION:
             raise DataError(f"{self.directory} was prepared by another poslab version (manifest version "
                             f"{self.manifest.get('version')}, need {MANIFEST_VERSION}); prepare it again")
-        self.special_ids = self.manifest["tokenizer"]["special_ids"]
-        self.vocab_size = int(self.manifest["tokenizer"]["vocab_size"])
-        self.splits = {name: Split(self.directory / name, info) for name, info in self.manifest["splits"].items()}
+        try:
+            self.special_ids = self.manifest["tokenizer"]["special_ids"]
+            self.vocab_size = int(self.manifest["tokenizer"]["vocab_size"])
+            self.splits = {name: Split(self.directory / name, info) for name, info in self.manifest["splits"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise DataError(f"{self.directory}/manifest.json is corrupt ({type(err).__name__}: {err}); prepare the "
+                            "data again") from None
 
     @functools.cached_property
     def tokenizer(self):
         """The transformers PreTrainedTokenizerFast saved with the data."""
-        return load_hf_tokenizer(self.directory / self.manifest["tokenizer"]["directory"])
+        directory = self.manifest["tokenizer"].get("directory")
+        if not isinstance(directory, str):
+            raise DataError(f"{self.directory}/manifest.json is corrupt (no tokenizer directory); prepare the data "
+                            "again")
+        return load_hf_tokenizer(self.directory / directory)
 
     def split(self, name: str) -> Split:
         if name not in self.splits:

@@ -126,10 +126,13 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
 
 def _load_tokenizer(path: Path) -> Tokenizer:
-    if path.is_file():
-        return Tokenizer.from_file(str(path))
-    if (path / "tokenizer.json").is_file():
-        return Tokenizer.from_file(str(path / "tokenizer.json"))
+    file = path if path.is_file() else path / "tokenizer.json" if (path / "tokenizer.json").is_file() else None
+    if file is not None:
+        try:
+            return Tokenizer.from_file(str(file))
+        except Exception as err:  # tokenizers raises a bare Exception for a file that is not its JSON
+            raise DataError(f"cannot load tokenizer from {file}: {str(err).splitlines()[0]} (not a tokenizers "
+                            "tokenizer.json)") from None
     if not path.is_dir():
         raise DataError(f"no tokenizer at {path}: expected a directory with tokenizer.json (or vocab files)")
     from transformers import AutoTokenizer
@@ -159,6 +162,11 @@ def save_tokenizer(tok: Tokenizer, ids: SpecialIds, cfg: TokenizerConfig, direct
 
 
 def load_hf_tokenizer(directory: Path):
+    """The transformers tokenizer saved with prepared data, or DataError: a directory damaged since."""
     from transformers import PreTrainedTokenizerFast
 
-    return PreTrainedTokenizerFast.from_pretrained(str(directory))
+    try:
+        return PreTrainedTokenizerFast.from_pretrained(str(directory))
+    except Exception as err:  # missing files: ValueError; a damaged tokenizer.json: JSONDecodeError or Exception
+        raise DataError(f"cannot load the tokenizer saved in {directory} ({str(err).splitlines()[0][:200]}); "
+                        "prepare the data again") from None
