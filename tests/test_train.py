@@ -951,3 +951,12 @@ def test_a_resume_keeps_the_batch_size(tmp_path):
                                           r"batches of 8, .*--set train.init_from=RUN/checkpoints/last$"):
         train(RunConfig.from_dict(tiny_config(steps=4, batch_size=16)), tmp_path / "run", resume=True)
     assert ckpt.load_trainer_state(tmp_path / "run/checkpoints/last")["step"] == 2
+
+
+def test_a_resume_keeps_its_start(tmp_path):
+    """A resume continues from its checkpoint: a changed init_from was accepted and written to config.yaml,
+    which then said the run had been fine-tuned from somewhere it had not."""
+    train(RunConfig.from_dict(tiny_config(steps=2, checkpoint_every=1)), tmp_path / "run")
+    with pytest.raises(PoslabError, match=r"^cannot resume with train.init_from '.*run': the run started from None"):
+        train(RunConfig.from_dict(tiny_config(steps=4, init_from=str(tmp_path / "run"))), tmp_path / "run", resume=True)
+    assert "init_from: null" in (tmp_path / "run" / "config.yaml").read_text()

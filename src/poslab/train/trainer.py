@@ -596,6 +596,13 @@ def _check_same_run(saved: RunConfig, new: RunConfig) -> None:
             f"cannot resume with train.batch_size {new.train.batch_size}: the run read its data in batches of "
             f"{saved.train.batch_size}, and another size would skip or repeat part of it; keep it, or start a new "
             "run from its weights with --set train.init_from=RUN/checkpoints/last")
+    # A resume continues from its checkpoint, never from init_from: another one would stand in config.yaml as
+    # the start of weights that did not start there.
+    start = [None if c.train.init_from is None else Path(c.train.init_from).resolve() for c in (saved, new)]
+    require(start[0] == start[1],
+            f"cannot resume with train.init_from {new.train.init_from!r}: the run started from "
+            f"{saved.train.init_from!r}, and a resume continues from its own checkpoint; keep it, or start a new "
+            "run with --set train.init_from=...")
 
 
 def _seed_everything(seed: int) -> None:
