@@ -344,6 +344,13 @@ def test_extrapolation_on_another_corpus_uses_the_runs_tokenizer(lm_run):
     assert [r["sequences"] for r in unpacked] == [4, 4]
     assert all(math.isfinite(r["loss"]) and r["tokens"] > 0 for r in other + mine)
     assert all(abs(a["loss"] - b["loss"]) > 1e-3 for a, b in zip(other, mine))
+    # Past the text's end: an error, not the same short text again under a longer length; and where the text
+    # gives fewer windows than asked for, the record counts those read (it once gave the nominal count).
+    text = corpus.splits["validation"].n_tokens
+    beyond = evaluate_lengths(run.config, run.model, [16, text + 2], sequences=4, batch_size=2, eval_data=books(lm_run))
+    assert beyond[0]["sequences"] == math.ceil(text / 15) < math.ceil(4 * (text + 2) / 16)
+    assert beyond[1]["error"].startswith(f"the evaluation text holds {text} tokens, too few for one sequence of "
+                                         f"{text + 2}")
     # Cached: a second evaluation reads the same prepared corpus, unless its tokenizer is no longer the run's
     # (the run's data prepared again since): then it is prepared again.
     assert evaluation_config(run.config, books(lm_run)).data.options["prepared"] == str(corpus.directory)

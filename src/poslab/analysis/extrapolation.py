@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from poslab.errors import ConfigError, PoslabError, unknown_key_message
+from poslab.errors import ConfigError, DataError, PoslabError, unknown_key_message
 from poslab.models import build_model
 from poslab.positional import get_scheme
 from poslab.train.config import RunConfig
@@ -236,6 +236,15 @@ def evaluate_lengths(config: RunConfig, model: torch.nn.Module, lengths: list[in
         try:
             cfg = config_at_length(evaluated, length, count, batch_size)
             source = cfg.data.build(config.seed if seed is None else seed)
+            if windows:
+                # A split shorter than a window reads the same short text at every longer "length"; fewer
+                # windows than asked for are what was read, and the record says so.
+                text = source.corpus.split(cfg.train.eval_split).n_tokens
+                if text < length - 1:
+                    raise DataError(f"the evaluation text holds {text} tokens, too few for one sequence of "
+                                    f"{length}; evaluate on more text (eval_data) or at shorter lengths")
+                record["sequences"] = min(source.num_sequences(cfg.train.eval_split),
+                                          cfg.train.eval_batches * batch_size)
             record.update(evaluate(model, source, cfg, device, contextlib.nullcontext()))
         except PoslabError as err:
             record["error"] = str(err)
