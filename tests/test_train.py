@@ -526,6 +526,27 @@ def test_a_text_run_keeps_its_tokenizer_and_refuses_another(tmp_path):
     assert not (tmp_path / "task" / "tokenizer").exists()
 
 
+def test_a_causal_lm_runs_tokenizer_encodes_a_prompt_that_continues(tmp_path):
+    """A text becomes [CLS] text: the start of a training window. It was [CLS] text [SEP], and the model took the
+    [SEP] for a document's end, so generate() began a new document instead of continuing the prompt. Encoders
+    keep [CLS] text [SEP]; a resume still recognises the data's tokenizer."""
+    from transformers import AutoTokenizer
+
+    lm = tiny_mlm_config(tmp_path / "cache", steps=1)
+    lm["model"] = {"arch": "decoder", "vocab_size": None, "d_model": 32, "n_layers": 1, "n_heads": 2,
+                   "max_seq_len": 32}
+    lm["data"] = {**lm["data"], "kind": "lm"}
+    lm["data"].pop("masking")
+    train(RunConfig.from_dict(lm), tmp_path / "lm")
+    train(RunConfig.from_dict(tiny_mlm_config(tmp_path / "cache", steps=1)), tmp_path / "mlm")
+    for run, last in (("lm", "the"), ("mlm", "[SEP]")):
+        tok = AutoTokenizer.from_pretrained(tmp_path / run / "tokenizer")
+        ids = tok("the quiet river and the")["input_ids"]
+        assert tok.convert_ids_to_tokens(ids)[0] == "[CLS]" and tok.convert_ids_to_tokens(ids)[-1] == last
+    assert train(RunConfig.from_dict({**lm, "train": {**lm["train"], "steps": 2}}), tmp_path / "lm",
+                 resume=True)["step"] == 2
+
+
 def test_a_text_corpus_prepared_by_another_version_is_judged_by_its_tokenizer(tmp_path, monkeypatch):
     """A new tokenizer training prepares the run's corpus afresh under another key. Training on it is refused
     (its batches may differ); measuring is refused only where the tokenizer differs from the run's own

@@ -13,10 +13,13 @@ Every rank of a distributed run checks that it reads a corpus tokenized as rank 
 """
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
 from typing import Any
+
+from tokenizers import processors
 
 from poslab.batches import data_version
 from poslab.errors import DataError
@@ -36,8 +39,22 @@ def record_data(out: Path, config: RunConfig, tokenizer: Any = None) -> None:
     if tokenizer is not None and not (out / TOKENIZER_DIR).is_dir():
         tmp = out / f".{TOKENIZER_DIR}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        tokenizer.save_pretrained(tmp)
+        (prompting(tokenizer) if config.model.causal else tokenizer).save_pretrained(tmp)
         tmp.rename(out / TOKENIZER_DIR)
+
+
+def prompting(tokenizer: Any) -> Any:
+    """A copy of ``tokenizer`` that encodes a text as a causal LM's prompt: [CLS] text, the way each window of
+    its training data starts, not [CLS] text [SEP]: the data's [SEP] ends a document, after which the model
+    starts another instead of continuing the prompt."""
+    cls, sep = tokenizer.cls_token, tokenizer.sep_token
+    if cls is None or sep is None:
+        return tokenizer
+    prompt = copy.deepcopy(tokenizer)
+    prompt.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{cls} $A", pair=f"{cls} $A {sep} $B",
+        special_tokens=[(t, prompt.convert_tokens_to_ids(t)) for t in (cls, sep)])
+    return prompt
 
 
 def run_data_version(config: RunConfig) -> dict[str, Any]:
@@ -94,7 +111,12 @@ def tokenizer_difference(run: Path, source: Any) -> str | None:
     if tokenizer is None or not saved.is_file():
         return None
     try:
-        same = json.loads(saved.read_text()) == json.loads(tokenizer.backend_tokenizer.to_str())
+        # How a text is framed (prompting) is no difference in the ids the data holds.
+        same = _vocabulary(json.loads(saved.read_text())) == _vocabulary(json.loads(tokenizer.backend_tokenizer.to_str()))
     except (OSError, ValueError) as err:
         return f"{saved} is unreadable ({err})"
     return None if same else f"the data's tokenizer is not the one the run trained with ({saved})"
+
+
+def _vocabulary(tokenizer_json: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in tokenizer_json.items() if key != "post_processor"}
