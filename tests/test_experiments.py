@@ -317,6 +317,12 @@ def test_every_recipe_runs_end_to_end_at_smoke_scale(tmp_path):
     details = data["recipes"]["dstg"]["details"]
     assert details["spectra_seeds"] == [0, 1]
     assert {m: len(v) for m, v in details["top2_by_seed"].items()} == {"dstg": 2, "ap_neobert": 2}
+    assert set(details["top2_at_width"]) == {"dstg", "ap_neobert"} and details["ap_width"] >= 1
+    assert set(details["segment_beyond_position"]) == set(dstg.MODELS)
+    lm = [c for c in data["recipes"]["extrapolation"]["claims"] if c["claim"].startswith("PoPE models the text")]
+    assert len(lm) == 1 and set(lm[0]["ours"]) == {"32 pope", "32 rope", "48 pope", "48 rope"}
+    accuracy = next(t for t in data["recipes"]["adjacency"]["tables"] if t["title"].startswith("Exact-match"))
+    assert all(row[3].endswith(" of 40") for row in accuracy["rows"])  # distinct problems of the smoke test set
 
 
 def test_parallel_runs_equal_sequential_ones_and_skip_finished(tmp_path):

@@ -229,6 +229,13 @@ def test_lengths_are_uniform_whatever_share_of_a_length_a_split_holds():
                 assert counts[n] / len(lengths) == pytest.approx(1 / len(present), abs=0.025), (data_seed, split, n)
 
 
+def test_distinct_counts_the_different_problems_of_an_evaluation_set():
+    source = build_batch_source(0, "ordering", train_size=None, validation_size=300, test_size=3000)
+    different, size = source.distinct("test")
+    assert size == 3000 and different == len(set(prompts(source.eval_batches("test", 500), source.tokenizer)))
+    assert different < size  # the shortest lengths have few problems, drawn as often as the longest
+
+
 def test_length_generalisation_split():
     source = build_batch_source(0, "reversal", max_len=16, train_max_len=10, train_size=None, **SMALL)
     assert source.splits == ("validation", "test", "test_long")

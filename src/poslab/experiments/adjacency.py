@@ -108,6 +108,7 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
     scale = SCALES[scale_name]
     table, trained_scores, init_scores, embed_scores, trained_embed = [], {}, {}, {}, {}
     accuracy: dict[str, dict[str, float]] = {"nope": {}, "rope": {}}
+    distinct: dict[str, str] = {}
     probe_result = None
     figures = []
     finals = ensure_runs(runs(scale_name, out), log, jobs)
@@ -115,6 +116,9 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
         for scheme in ("nope", "rope"):
             accuracy[scheme][task] = statistics.fmean(finals[scheme, task, seed]["eval_exact_match"]
                                                       for seed in scale["seeds"])
+        first = Run.load(out / "runs" / f"nope-{task}-s{scale['seeds'][0]}", device=device)
+        different, size = first.source().distinct(first.config.train.eval_split)
+        distinct[task] = f"{different:,} of {size:,}"
         # Scores are means over the seeds; the figures and the probe are the first seed's.
         scores: dict[str, dict[str, list[float]]] = {"trained": {}, "init": {}}
         for seed in scale["seeds"]:
@@ -205,7 +209,8 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
          "columns": ["features", "NRMSE", "Pearson R"],
          "rows": [[k, v["nrmse"], v["pearson_r"]] for k, v in mlp.items()]},
         {"title": f"Exact-match accuracy after {scale['train']['steps']} steps (mean over seeds {scale['seeds']})",
-         "columns": ["task", "NoPE", "RoPE"], "rows": [[t, accuracy["nope"][t], accuracy["rope"][t]] for t in TASKS]},
+         "columns": ["task", "NoPE", "RoPE", "distinct problems in the evaluated set"],
+         "rows": [[t, accuracy["nope"][t], accuracy["rope"][t], distinct[t]] for t in TASKS]},
     ]
     notes = [f"Bidirectional NoPE control, score after layer 1 at init: {bidirectional:.3f}. "
              "Task accuracy is context, not a claim: the paper reports that neither adjacency nor variance explains "

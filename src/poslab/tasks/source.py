@@ -6,8 +6,9 @@ a causal model predicts labels[i] from positions < i, as Hugging Face models do.
 
 Splits never overlap. A problem's split is a function of the problem itself: a 64-bit hash of its
 prompt, salted with ``data_seed``, maps it to u in [0, 1); u < holdout is validation, u < 2 holdout
-test, the rest train. Evaluation sets are i.i.d. draws restricted to their part of the problem space
-(small spaces repeat problems, as the paper's fixed-size sets must), and training draws reject the
+test, the rest train. Evaluation sets are i.i.d. draws restricted to their part of the problem space, at
+lengths drawn uniformly (a choice: papers/adjacency.md gives set sizes, not how lengths are drawn), so the
+few problems of the shortest lengths repeat (``distinct`` counts them), and training draws reject the
 held-out parts, so no training batch ever holds a validation or test problem. ``test_long`` draws
 only lengths above ``train_max_len``, which training never draws.
 
@@ -161,6 +162,12 @@ class TaskSource:
             lengths = self._lengths["test_long" if split == "test_long" else "train"]
             self._sets[split] = self._draw(rng, size, lengths, BUCKETS.get(split), split)
         return self._sets[split]
+
+    def distinct(self, split: str) -> tuple[int, int]:
+        """How many different problems the evaluation set ``split`` holds (short lengths repeat theirs), and
+        its size."""
+        problems = self._eval_set(split)
+        return len(np.unique(problem_hash(problems.prompt, 0))), len(problems)
 
     def _order(self, epoch: int) -> np.ndarray:
         """The order in which epoch `epoch` visits the training pool; the last two are kept."""
