@@ -228,8 +228,14 @@ def test_hf_source_names_its_local_files(tmp_path, monkeypatch):
     assert builder.files == [tmp_path / "ds" / "a.jsonl", tmp_path / "ds" / "b.jsonl"]
     assert HFSource(name="ds").files == builder.files  # a local dataset directory
     assert HFSource(name="ds", data_files="a.jsonl").files == [tmp_path / "ds" / "a.jsonl"]
+    (tmp_path / "ds" / "sub").mkdir()
+    (tmp_path / "ds" / "sub" / "c.jsonl").write_text(json.dumps({"text": "Hi."}) + "\n")
+    within = HFSource(name="ds", data_dir="sub", data_files="c.jsonl")  # load_dataset reads ds/sub/c.jsonl
+    assert within.files == [tmp_path / "ds" / "sub" / "c.jsonl"] and len(list(within.documents())) == 1
     hub = HFSource(name="HuggingFaceFW/fineweb", data_files="data/*.parquet")
     assert hub.local_paths == [] and hub.files == []
+    assert HFSource(name="json", data_files=["https://example.org/c.jsonl", "ds/a.jsonl"]).local_paths == \
+        [str(tmp_path / "ds" / "a.jsonl")]  # a URL is no local path, wherever the command runs
     with pytest.raises(DataError, match="no local file matches"):
         HFSource(name="json", data_files="gone.jsonl").files
 

@@ -184,7 +184,13 @@ def test_decoding_with_a_cache_matches_the_full_forward_after_position_jumps(sch
         cache = DynamicCache()
         steps = [m(ids[:, :4], position_ids=positions[:, :4], cache=cache).logits]
         steps += [m(ids[:, i:i + 1], position_ids=positions[:, i:i + 1], cache=cache).logits for i in range(4, 8)]
+        # A step without position_ids (one row of positions for the batch) keeps each row's cached ones.
+        prompt = DynamicCache()
+        m(ids[:, :4], position_ids=positions[:, :4], cache=prompt)
+        omitted = m(ids[:, 4:5], cache=prompt).logits
+        expected = m(ids[:, :5], position_ids=torch.cat([positions[:, :4], torch.full((2, 1), 4)], 1)).logits
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(omitted, expected[:, -1:], atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("scheme", ["alibi", "t5", "pope", "learned"])

@@ -933,8 +933,12 @@ def test_a_resume_on_another_evaluation_set_chooses_the_best_checkpoint_again(tm
         ckpt.write_manifest(run / "checkpoints" / which)
     same = train(RunConfig.from_dict(tiny_config(steps=6, eval_every=2)), run, resume=True)
     assert same["best_step"] == first["best_step"]
-    other = train(RunConfig.from_dict(tiny_config(steps=8, eval_every=2, eval_split="test")), run, resume=True)
-    assert other["best_step"] == 8 and other["best_loss"] > 0
+    # A task's answers are scored on the whole split: the batch settings do not change the set.
+    batches = train(RunConfig.from_dict(tiny_config(steps=8, eval_every=2, eval_batches=1, eval_batch_size=3)), run,
+                    resume=True)
+    assert batches["best_step"] == first["best_step"]
+    other = train(RunConfig.from_dict(tiny_config(steps=10, eval_every=2, eval_split="test")), run, resume=True)
+    assert other["best_step"] == 10 and other["best_loss"] > 0
 
 
 @pytest.mark.parametrize("crash_at", [3, 1])
@@ -981,3 +985,16 @@ def test_a_resume_keeps_its_start(tmp_path):
     with pytest.raises(PoslabError, match=r"^cannot resume with train.init_from '.*run': the run started from None"):
         train(RunConfig.from_dict(tiny_config(steps=4, init_from=str(tmp_path / "run"))), tmp_path / "run", resume=True)
     assert "init_from: null" in (tmp_path / "run" / "config.yaml").read_text()
+    # A fine-tune resumes from another path to the same weights (an --out moved), not from other weights.
+    import shutil
+
+    train(RunConfig.from_dict(tiny_config(steps=2, init_from=str(tmp_path / "run"), checkpoint_every=1)),
+          tmp_path / "tuned")
+    shutil.copytree(tmp_path / "run", tmp_path / "moved")
+    assert train(RunConfig.from_dict(tiny_config(steps=3, init_from=str(tmp_path / "moved"))), tmp_path / "tuned",
+                 resume=True)["step"] == 3
+    train(RunConfig.from_dict(tiny_config(steps=1) | {"seed": 5}), tmp_path / "other")
+    with pytest.raises(PoslabError, match=r"^cannot resume with another train.init_from: the weights of "
+                                          r"train.init_from .*other.* are not the weights the run started from"):
+        train(RunConfig.from_dict(tiny_config(steps=4, init_from=str(tmp_path / "other"))), tmp_path / "tuned",
+              resume=True)

@@ -95,13 +95,13 @@ def cached_key_positions(cache, positions: torch.Tensor) -> torch.Tensor:
 
     Hugging Face caches hold keys and values only, and bias schemes (ALiBi, T5) need the keys' positions: after
     position_ids with a jump (packed documents, an offset) the cached keys do not sit just before the new ones.
-    A cache that lacks them, or holds a count or batch they no longer fit (``crop``, a batch expanded by
-    contrastive search), is taken to hold consecutive positions ending just before each row's first new one,
-    which is what ``generate`` makes."""
+    A cache cut back (``crop``) keeps the positions of the keys it kept. One that lacks them, or holds a batch
+    they no longer fit (expanded by contrastive search), is taken to hold consecutive positions ending just
+    before each row's first new one, which is what ``generate`` makes."""
     past = cache.get_seq_length()
     held = getattr(cache, "poslab_key_positions", None)
-    if held is not None and held.shape[-1] >= past and held.shape[0] in (1, positions.shape[0]) \
-            and held.device == positions.device:
+    if held is not None and held.shape[-1] >= past and held.device == positions.device \
+            and (held.shape[0] == positions.shape[0] or 1 in (held.shape[0], positions.shape[0])):
         held = held[:, :past]
     else:
         held = torch.arange(past, device=positions.device)[None] + (positions[:, :1] - past)

@@ -195,17 +195,17 @@ class HFSource:
     @property
     def local_paths(self) -> list[str]:
         """The local paths the options name, absolute: ``data_files`` (paths and globs) resolved as
-        ``load_dataset`` does, against a local directory given as ``name``, else ``data_dir``, else the working
-        directory; without them, a local ``name`` or ``data_dir`` directory. None for a hub dataset (a name
-        with a '/' that is no local directory). Preparation keys its cache by them, as by a text source's
-        paths."""
+        ``load_dataset`` does, against ``data_dir`` within a local directory given as ``name``, else against
+        ``data_dir``, else the working directory; without them, the local directory the data is read from.
+        None for a hub dataset (a name with a '/' that is no local directory) or a URL. Preparation keys its
+        cache by them, as by a text source's paths."""
         o = self.opts
         local_name = Path(o.name).is_dir()
+        base = Path(o.name, o.data_dir or "") if local_name else Path(o.data_dir or ".")
         if o.data_files is None:
-            named = [d for d in (o.name, o.data_dir) if d is not None and Path(d).is_dir()]
+            named = [str(base)] if local_name or (o.data_dir is not None and base.is_dir()) else []
         elif local_name or "/" not in o.name:  # a local dataset or a packaged builder (json, parquet, ...)
-            base = Path(o.name) if local_name else Path(o.data_dir or ".")
-            named = [str(base / pattern) for pattern in _data_file_patterns(o.data_files)]
+            named = [str(base / p) for p in _data_file_patterns(o.data_files) if "://" not in p]
         else:
             named = []
         return [str(Path(p).resolve()) for p in named]

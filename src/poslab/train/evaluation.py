@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -45,6 +46,16 @@ def check(config: RunConfig, source: BatchSource) -> None:
         raise ConfigError(unknown_key_message("train.eval_split", train.eval_split, source.splits))
     if train.best_metric not in metrics(config):
         raise ConfigError(unknown_key_message("train.best_metric", train.best_metric, metrics(config)))
+
+
+def evaluated_set(config: RunConfig) -> dict[str, Any]:
+    """What fixes the examples ``evaluate`` reads: the split, and for token scoring how many batches of what
+    size (answer scoring reads the whole split). Evaluations on equal sets are comparable."""
+    train = config.train
+    if _scores_answers(config):
+        return {"split": train.eval_split}
+    return {"split": train.eval_split, "batches": train.eval_batches,
+            "batch_size": train.eval_batch_size or train.batch_size}
 
 
 def batches(config: RunConfig, source: BatchSource) -> Iterator[dict[str, torch.Tensor]]:

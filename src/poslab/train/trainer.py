@@ -398,8 +398,7 @@ class Trainer:
         value = metrics[name]
         # A resume may change the metric or the evaluation set: a best measured otherwise is not comparable.
         # (Records written before the set was recorded count as this one's.)
-        on = {"split": self.cfg.eval_split, "batches": self.cfg.eval_batches,
-              "batch_size": self.cfg.eval_batch_size or self.cfg.batch_size}
+        on = evaluation.evaluated_set(self.config)
         best = self.best if self.best is not None and self.best["metric"] == name \
             and self.best.get("on", on) == on else None
         if best is None and self.best is not None and self.monitor is not None:
@@ -539,7 +538,13 @@ def _check_out_dir(out: Path, config: RunConfig, resume: bool, overwrite: bool) 
         if not (out / CONFIG_FILE).is_file():
             raise CheckpointError(f"no checkpoint to resume in {out}: it is not a poslab run directory "
                                   f"(no {CONFIG_FILE})")
-        _check_same_run(load_saved_config(out), config)
+        saved = load_saved_config(out)
+        _check_same_run(saved, config)
+        moved = config.train.init_from is not None and \
+            Path(config.train.init_from).resolve() != Path(saved.train.init_from).resolve()
+        if moved and (out / INIT_FILE).is_file() and (difference := init_difference(out, config)) is not None:
+            raise ConfigError(f"cannot resume with another train.init_from: {difference} are not the weights the "
+                              "run started from; keep its train.init_from, or start a new run")
         if saved_data_version(out) is not None and (difference := data_difference(out, config)) is not None:
             raise ConfigError(f"cannot resume: {difference}; this poslab makes other batches than the run started "
                               "on, so train it again with --overwrite")
@@ -596,10 +601,10 @@ def _check_same_run(saved: RunConfig, new: RunConfig) -> None:
             f"cannot resume with train.batch_size {new.train.batch_size}: the run read its data in batches of "
             f"{saved.train.batch_size}, and another size would skip or repeat part of it; keep it, or start a new "
             "run from its weights with --set train.init_from=RUN/checkpoints/last")
-    # A resume continues from its checkpoint, never from init_from: another one would stand in config.yaml as
-    # the start of weights that did not start there.
-    start = [None if c.train.init_from is None else Path(c.train.init_from).resolve() for c in (saved, new)]
-    require(start[0] == start[1],
+    # A resume continues from its checkpoint, never from init_from: a start named or dropped now would stand in
+    # config.yaml for weights that did not start there. (Another path may name the same start, as after an --out
+    # moved: _check_out_dir compares the weights.)
+    require((saved.train.init_from is None) == (new.train.init_from is None),
             f"cannot resume with train.init_from {new.train.init_from!r}: the run started from "
             f"{saved.train.init_from!r}, and a resume continues from its own checkpoint; keep it, or start a new "
             "run with --set train.init_from=...")
