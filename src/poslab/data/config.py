@@ -82,12 +82,12 @@ class TokenizerConfig:
             require(token is None or (isinstance(token, str) and token.strip() != ""),
                     f"tokenizer.special_tokens.{role} must be a token (a non-empty string) or null, got {token!r}")
         self.special_tokens = {**BERT_SPECIAL_TOKENS, **self.special_tokens}  # roles not named keep BERT's
-        named = [t for t in self.special_tokens.values() if t is not None]
         # A trained tokenizer adds one id per token: a token in two roles would make a sequence's start marker
         # end its documents too. (A pretrained one may mean it: GPT-2 has one token for all of them.)
-        repeated = sorted({t for t in named if named.count(t) > 1}) if self.path is None else []
-        require(not repeated, f"tokenizer.special_tokens gives {repeated[0] if repeated else ''!r} more than one "
-                "role; a trained tokenizer needs a token of its own for each")
+        named = [t for t in self.special_tokens.values() if t is not None]
+        for token in sorted({t for t in named if named.count(t) > 1}) if self.path is None else []:
+            raise ConfigError(f"tokenizer.special_tokens gives {token!r} more than one role; a trained tokenizer "
+                              "needs a token of its own for each")
         # WordPiece encodes every unseen character as unk; byte-level BPE never needs one.
         require(self.path is not None or self.type != "wordpiece" or self.special_tokens["unk"] is not None,
                 "a trained wordpiece tokenizer needs an unk token (tokenizer.special_tokens.unk, e.g. '[UNK]'); "

@@ -197,7 +197,7 @@ class HFSource:
         """The local paths the options name, absolute: ``data_files`` (paths and globs) resolved as
         ``load_dataset`` does, against ``data_dir`` within a local directory given as ``name``, else against
         ``data_dir``, else the working directory; without them, the local directory the data is read from.
-        None for a hub dataset (a name with a '/' that is no local directory) or a URL. Preparation keys its
+        Nothing for a hub dataset (a name with a '/' that is no local directory) or a URL. Preparation keys its
         cache by them, as by a text source's paths."""
         o = self.opts
         local_name = Path(o.name).is_dir()
