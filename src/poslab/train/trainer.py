@@ -540,11 +540,7 @@ def _check_out_dir(out: Path, config: RunConfig, resume: bool, overwrite: bool) 
                                   f"(no {CONFIG_FILE})")
         saved = load_saved_config(out)
         _check_same_run(saved, config)
-        moved = config.train.init_from is not None and \
-            Path(config.train.init_from).resolve() != Path(saved.train.init_from).resolve()
-        if moved and (out / INIT_FILE).is_file() and (difference := init_difference(out, config)) is not None:
-            raise ConfigError(f"cannot resume with another train.init_from: {difference} are not the weights the "
-                              "run started from; keep its train.init_from, or start a new run")
+        _check_same_start(out, saved, config)
         if saved_data_version(out) is not None and (difference := data_difference(out, config)) is not None:
             raise ConfigError(f"cannot resume: {difference}; this poslab makes other batches than the run started "
                               "on, so train it again with --overwrite")
@@ -601,13 +597,21 @@ def _check_same_run(saved: RunConfig, new: RunConfig) -> None:
             f"cannot resume with train.batch_size {new.train.batch_size}: the run read its data in batches of "
             f"{saved.train.batch_size}, and another size would skip or repeat part of it; keep it, or start a new "
             "run from its weights with --set train.init_from=RUN/checkpoints/last")
-    # A resume continues from its checkpoint, never from init_from: a start named or dropped now would stand in
-    # config.yaml for weights that did not start there. (Another path may name the same start, as after an --out
-    # moved: _check_out_dir compares the weights.)
-    require((saved.train.init_from is None) == (new.train.init_from is None),
-            f"cannot resume with train.init_from {new.train.init_from!r}: the run started from "
-            f"{saved.train.init_from!r}, and a resume continues from its own checkpoint; keep it, or start a new "
-            "run with --set train.init_from=...")
+
+
+def _check_same_start(out: Path, saved: RunConfig, new: RunConfig) -> None:
+    """A resume continues from its checkpoint, never from init_from: a start named or dropped now would stand in
+    config.yaml for weights that did not start there. Another path may name the same start (an --out moved):
+    then the weights decide (init.json)."""
+    start, now = saved.train.init_from, new.train.init_from
+    require((start is None) == (now is None), f"cannot resume with train.init_from {now!r}: the run started from "
+            f"{start!r}, and a resume continues from its own checkpoint; keep it, or start a new run with "
+            "--set train.init_from=...")
+    if now is None or Path(now).resolve() == Path(start).resolve() or not (out / INIT_FILE).is_file():
+        return
+    if (difference := init_difference(out, new)) is not None:
+        raise ConfigError(f"cannot resume with another train.init_from: {difference} are not the weights the run "
+                          "started from; keep its train.init_from, or start a new run")
 
 
 def _seed_everything(seed: int) -> None:
