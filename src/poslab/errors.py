@@ -166,3 +166,15 @@ def check_token_ids(input_ids: Any, vocab_size: int) -> None:
     if low < 0 or high >= vocab_size:
         raise InputError(f"token ids must lie in [0, {vocab_size}) for this model's vocabulary; got ids in "
                          f"[{low}, {high}]; encode the text with the model's tokenizer or raise model.vocab_size")
+
+
+def check_attention_mask(mask: Any, batch: int, length: int) -> None:
+    """InputError unless ``mask`` is None or (batch, length), 1 for real tokens: the models build their causal
+    and padding masks themselves, and a 3-D or 4-D mask failed in a broadcast deep inside attention."""
+    if mask is None:
+        return
+    if mask.dim() != 2 or mask.shape[0] != batch or mask.shape[1] != length:
+        raise InputError(f"attention_mask must be (batch, length) = ({batch}, {length}) with 1 for real tokens and 0 "
+                         f"for padding, got shape {tuple(mask.shape)}; the model makes its causal and padding masks "
+                         "itself, so pass the 2-D padding mask (packed documents: position_ids)")
+

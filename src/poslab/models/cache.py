@@ -52,3 +52,23 @@ class ActivationCache:
 
     def keys(self):
         return self.store.keys()
+
+
+class CaptureGroup:
+    """Several captures as one (a model's own ``output_hidden_states`` collection beside a user's
+    ActivationCache): a name is wanted if any member wants it, and each member records what it wants."""
+
+    def __init__(self, *captures) -> None:
+        self.captures = [c for c in captures if c is not None]
+
+    def wants(self, name: str) -> bool:
+        return any(c.wants(name) for c in self.captures)
+
+    def wants_some(self, names: Iterable[str]) -> bool:
+        names = list(names)
+        return any(c.wants_some(names) for c in self.captures)
+
+    def record(self, name: str, value: torch.Tensor | None) -> None:
+        for c in self.captures:
+            c.record(name, value)
+

@@ -29,14 +29,15 @@ import torch
 import torch.nn.functional as F
 import yaml
 from torch import nn
-from transformers import PreTrainedConfig
 from transformers.modeling_outputs import MaskedLMOutput
 from transformers.utils import ModelOutput
+from transformers.utils.generic import can_return_tuple
 
 from poslab.attention import attend
-from poslab.errors import ConfigError, InputError, check_token_ids, unknown_key_message
+from poslab.errors import ConfigError, InputError, check_attention_mask, check_token_ids, unknown_key_message
 from poslab.models.dstg_config import DSTGConfig
-from poslab.models.hf import MLMHead, PoslabPreTrainedModel, masked_lm_output
+from poslab.models.hf import (MLMHead, PoslabPreTrainedModel, SpecConfig, collected_outputs, masked_lm_output,
+                              output_capture, require_input_ids)
 from poslab.positional import AttentionGeometry, LayerPositional, build_positional, owned_once
 
 Streams = dict[str, torch.Tensor]
@@ -172,28 +173,17 @@ class DSTGBlock(nn.Module):
 # Hugging Face packaging
 
 
-class DSTGNeoBertConfig(PreTrainedConfig):
+class DSTGNeoBertConfig(SpecConfig):
     """Carries the ``DSTGConfig`` as a dict (``dstg``), validated on construction, like ``PoslabConfig``."""
 
     model_type = "dstg_neobert"
     dstg: dict | None = None
+    SPEC_FIELD = "dstg"
+    SPEC_CLASS = DSTGConfig
+    FIXED = ("hidden_size", "tie_word_embeddings", "is_decoder")
 
-    def __post_init__(self, **kwargs) -> None:
-        spec = DSTGConfig.from_dict(self.dstg or {})
-        self.dstg = spec.to_dict()
-        self.vocab_size = spec.vocab_size
-        self.hidden_size = spec.d_model
-        self.num_hidden_layers = spec.n_layers
-        self.num_attention_heads = spec.n_heads
-        self.max_position_embeddings = spec.max_seq_len
-        self.tie_word_embeddings = False
-        self.pad_token_id = spec.pad_token_id
-        self.is_decoder = False
-        super().__post_init__(**kwargs)
-
-    @property
-    def spec(self) -> DSTGConfig:
-        return DSTGConfig.from_dict(self.dstg)
+    def derived(self, spec: DSTGConfig) -> dict:
+        return {"hidden_size": spec.d_model, "tie_word_embeddings": False, "is_decoder": False}
 
 
 class DSTGPreTrainedModel(PoslabPreTrainedModel):
@@ -207,11 +197,14 @@ class DSTGPreTrainedModel(PoslabPreTrainedModel):
 @dataclass
 class DSTGModelOutput(ModelOutput):
     """last_hidden_state (b, n, d_ap + d_sem) = [AP | sem] after the final norms; ap_state (b, n, d_ap)
-    or None when AP is off; semantic_state (b, n, d_sem)."""
+    or None when AP is off; semantic_state (b, n, d_sem); hidden_states and attentions as Hugging Face
+    models give them (``output_hidden_states``, ``output_attentions``), states as [AP | sem]."""
 
     last_hidden_state: torch.Tensor | None = None
     ap_state: torch.Tensor | None = None
     semantic_state: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
 
 
 class DSTGNeoBertModel(DSTGPreTrainedModel):
@@ -271,11 +264,17 @@ class DSTGNeoBertModel(DSTGPreTrainedModel):
             positions = positions + offset
         return positions
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, capture=None, **_unused) -> DSTGModelOutput:
-        """attention_mask (b, n) 1 = real token; position_ids (b, n) override the counted positions."""
+    @can_return_tuple
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, capture=None, output_hidden_states: bool | None = None,
+                output_attentions: bool | None = None, inputs_embeds=None, **_unused) -> DSTGModelOutput:
+        """attention_mask (b, n) 1 = real token; position_ids (b, n) override the counted positions. Other
+        keywords (``token_type_ids``: no segment embedding here) are ignored."""
+        require_input_ids(input_ids, inputs_embeds)
         b = input_ids.shape[0]
         check_token_ids(input_ids, self.embed.num_embeddings)
+        check_attention_mask(attention_mask, b, input_ids.shape[1])
+        capture, own = output_capture(self.config, capture, output_hidden_states, output_attentions)
         positions = self.positions(input_ids, attention_mask, position_ids)
         key_padding = None if attention_mask is None or bool(attention_mask.all()) else attention_mask
         x = {"sem": self.embed(input_ids)}
@@ -290,14 +289,14 @@ class DSTGNeoBertModel(DSTGPreTrainedModel):
         x = self.final_norm(x)
         _record(capture, "final", x)
         return DSTGModelOutput(last_hidden_state=torch.cat(list(x.values()), dim=-1), ap_state=x.get("ap"),
-                               semantic_state=x["sem"])
+                               semantic_state=x["sem"], **collected_outputs(own, len(self.blocks)))
 
     def semantic_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                         position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """(b, n, d_sem): the final semantic stream. No position embedding is added to it, but position still
         reaches it, through which tokens attention mixes and through every FFN, whose input is [AP | sem]: the
         same text at other positions gives other semantic states."""
-        return self(input_ids, attention_mask, position_ids).semantic_state
+        return self(input_ids, attention_mask, position_ids, return_dict=True).semantic_state
 
 
 class DSTGNeoBertForMaskedLM(DSTGPreTrainedModel):
@@ -329,6 +328,9 @@ class DSTGNeoBertForMaskedLM(DSTGPreTrainedModel):
     def get_output_embeddings(self) -> nn.Module:
         return self.mlm_head.decoder
 
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.mlm_head.decoder = value
+
     def ap_table(self) -> torch.Tensor | None:
         """The learned AP table (positions, d_ap), row i for position ``position_start + i`` (rows below
         position_start are never read, so analysis should not see them), or None when AP is off."""
@@ -339,11 +341,13 @@ class DSTGNeoBertForMaskedLM(DSTGPreTrainedModel):
         """(b, n, d_sem); see ``DSTGNeoBertModel.semantic_states``."""
         return self.model.semantic_states(input_ids, attention_mask, position_ids)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+    @can_return_tuple
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                capture=None, **_unused) -> MaskedLMOutput:
-        hidden = self.model(input_ids, attention_mask, position_ids, capture).semantic_state
-        return masked_lm_output(self.mlm_head, hidden, labels, self.model.spec.sparse_prediction)
+                capture=None, num_items_in_batch=None, **kwargs) -> MaskedLMOutput:
+        out = self.model(input_ids, attention_mask, position_ids, capture, return_dict=True, **kwargs)
+        return masked_lm_output(self.mlm_head, out.semantic_state, labels, self.model.spec.sparse_prediction,
+                                num_items_in_batch, hidden_states=out.hidden_states, attentions=out.attentions)
 
 
 def build_dstg(values: dict[str, Any]) -> DSTGNeoBertForMaskedLM:

@@ -6,16 +6,20 @@ validates it on construction and mirrors the few attributes the Hugging Face mac
 """
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache, GenerationMixin, PreTrainedConfig, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast, MaskedLMOutput
+from transformers.utils.generic import can_return_tuple
 
 from poslab.attention.module import cached_key_positions
-from poslab.errors import ConfigError, check_token_ids
+from poslab.errors import ConfigError, InputError, check_attention_mask, check_token_ids
 from poslab.models.blocks import Block, make_norm
+from poslab.models.cache import ActivationCache, CaptureGroup
 from poslab.models.config import ModelConfig
 from poslab.positional import AttentionGeometry, InputPositional, LayerPositional, build_positional, owned_once
 
@@ -24,26 +28,108 @@ from poslab.positional import AttentionGeometry, InputPositional, LayerPositiona
 CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
-class PoslabConfig(PreTrainedConfig):
-    model_type = "poslab"
-    poslab: dict | None = None
+class SpecConfig(PreTrainedConfig):
+    """A ``PreTrainedConfig`` carrying a poslab config dataclass as a dict (``SPEC_FIELD``), validated on
+    construction, and mirroring the attributes the Hugging Face machinery reads (``MIRRORED``: Hugging Face
+    name -> spec field). The dict is the source of truth, so a mirrored attribute set afterwards --
+    ``from_pretrained(path, num_hidden_layers=2)``, ``resize_token_embeddings`` writing ``vocab_size`` --
+    is written back into it and validated (a ``ConfigError`` if the result is no valid model); ``FIXED``
+    attributes are derived and refuse another value."""
+
+    SPEC_FIELD: ClassVar[str]
+    SPEC_CLASS: ClassVar[type]
+    MIRRORED: ClassVar[dict[str, str]] = {"vocab_size": "vocab_size", "num_hidden_layers": "n_layers",
+                                          "num_attention_heads": "n_heads", "max_position_embeddings": "max_seq_len",
+                                          "pad_token_id": "pad_token_id"}
+    FIXED: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self, **kwargs) -> None:
-        spec = ModelConfig.from_dict(self.poslab or {})
-        self.poslab = spec.to_dict()
-        self.vocab_size = spec.vocab_size
-        self.hidden_size = spec.d_model
-        self.num_hidden_layers = spec.n_layers
-        self.num_attention_heads = spec.n_heads
-        self.max_position_embeddings = spec.max_seq_len
-        self.tie_word_embeddings = spec.tie_embeddings
-        self.pad_token_id = spec.pad_token_id
-        self.is_decoder = spec.causal
+        spec = self.SPEC_CLASS.from_dict(getattr(self, self.SPEC_FIELD) or {})
+        object.__setattr__(self, self.SPEC_FIELD, spec.to_dict())
+        for name, field_name in self.MIRRORED.items():
+            object.__setattr__(self, name, getattr(spec, field_name))
+        for name, value in self.derived(spec).items():
+            object.__setattr__(self, name, value)
         super().__post_init__(**kwargs)
 
+    def derived(self, spec) -> dict:
+        """The FIXED attributes' values (and any other attribute set from the spec)."""
+        return {}
+
+    def __setattr__(self, name: str, value) -> None:
+        values = self.__dict__.get(self.SPEC_FIELD)
+        if values is not None and name in self.MIRRORED and values.get(self.MIRRORED[name]) != value:
+            self.change_spec(**{self.MIRRORED[name]: value})
+        elif values is not None and name in self.FIXED and getattr(self, name) != value:
+            raise ConfigError(f"{name} of a {self.model_type} model follows from its '{self.SPEC_FIELD}' settings "
+                              f"({getattr(self, name)!r}); change those instead of setting it to {value!r}")
+        super().__setattr__(name, value)
+
+    def change_spec(self, **changes) -> None:
+        """Write fields into the spec dict, validated as a whole (ConfigError if the result is invalid)."""
+        spec = self.SPEC_CLASS.from_dict({**getattr(self, self.SPEC_FIELD), **changes})
+        object.__setattr__(self, self.SPEC_FIELD, spec.to_dict())
+
     @property
-    def spec(self) -> ModelConfig:
-        return ModelConfig.from_dict(self.poslab)
+    def spec(self):
+        return self.SPEC_CLASS.from_dict(getattr(self, self.SPEC_FIELD))
+
+
+class PoslabConfig(SpecConfig):
+    model_type = "poslab"
+    poslab: dict | None = None
+    SPEC_FIELD = "poslab"
+    SPEC_CLASS = ModelConfig
+    MIRRORED = {**SpecConfig.MIRRORED, "hidden_size": "d_model", "tie_word_embeddings": "tie_embeddings"}
+    FIXED = ("is_decoder",)
+
+    def derived(self, spec: ModelConfig) -> dict:
+        return {"is_decoder": spec.causal}
+
+
+def output_capture(config: PreTrainedConfig, capture, hidden_states: bool | None, attentions: bool | None):
+    """Hugging Face's ``output_hidden_states`` / ``output_attentions`` (argument, else the config's) as a
+    capture run beside the caller's: -> (the capture to run with, the model's own collection or None).
+    Its tensors keep their graph, as Hugging Face's do; asking for attentions runs attention eagerly."""
+    hidden_states = config.output_hidden_states if hidden_states is None else hidden_states
+    attentions = config.output_attentions if attentions is None else attentions
+    names = (["embed", "blocks.*.resid_post", "final"] if hidden_states else []) + \
+        (["blocks.*.attn.probs"] if attentions else [])
+    if not names:
+        return capture, None
+    own = ActivationCache(names, detach=False)
+    return CaptureGroup(capture, own), own
+
+
+def collected_outputs(own: ActivationCache | None, n_layers: int) -> dict:
+    """The output fields of a model's own collection: hidden_states = (embedding output, each block's output
+    but the last, the final normed state), n_layers + 1 of (b, n, d), as Hugging Face models give them;
+    attentions = each layer's probabilities (b, heads, n, past + n)."""
+    if own is None:
+        return {}
+    out = {}
+    if "final" in own:
+        out["hidden_states"] = (own["embed"], *(own[f"blocks.{i}.resid_post"] for i in range(n_layers - 1)),
+                                own["final"])
+    if "blocks.0.attn.probs" in own:
+        out["attentions"] = tuple(own[f"blocks.{i}.attn.probs"] for i in range(n_layers))
+    return out
+
+
+def require_input_ids(input_ids, inputs_embeds) -> None:
+    if inputs_embeds is not None or input_ids is None:
+        raise InputError("inputs_embeds is not supported: poslab models embed input_ids themselves (a scheme may "
+                         "add its position table there); pass input_ids")
+
+
+def scored_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
+    """Cross-entropy of logits (..., vocab) against labels (...), -100 ignored: the mean over scored labels,
+    or with ``num_items_in_batch`` (Hugging Face Trainer's count over all of a step's accumulated batches)
+    their sum divided by it, so gradient accumulation weights every token alike."""
+    if num_items_in_batch is None:
+        return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=-100)
+    total = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+    return total / num_items_in_batch
 
 
 class PoslabPreTrainedModel(PreTrainedModel):
@@ -51,6 +137,23 @@ class PoslabPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     _no_split_modules = ["Block"]
     _supports_sdpa = True
+
+    def _check_and_adjust_attn_implementation(self, attn_implementation: str | None, is_init_check: bool = False,
+                                              allow_all_kernels: bool = False) -> str:
+        """Attention runs through the spec's ``attn_backend``; Hugging Face's ``attn_implementation`` names it, as
+        'eager' (backend eager) or 'sdpa' (auto, sdpa, triton: the fused paths). Asking for the other one at load
+        (``from_pretrained(path, attn_implementation="eager")``) sets the backend before the model is built;
+        anything else is refused. Nested models share the config and ask again with the answer: a no-op."""
+        backend = self.config.spec.attn_backend
+        current = "eager" if backend == "eager" else "sdpa"
+        if attn_implementation is not None and attn_implementation != current:
+            if attn_implementation not in ("eager", "sdpa"):
+                raise ConfigError(f"attn_implementation '{attn_implementation}' is not available for poslab models: "
+                                  "use 'eager' or 'sdpa', or set the model config's attn_backend (auto, triton, "
+                                  "sdpa, eager)")
+            self.config.change_spec(attn_backend=attn_implementation)
+            current = attn_implementation
+        return current
 
     def _init_weights(self, module: nn.Module) -> None:
         spec = self.config.spec
@@ -87,15 +190,23 @@ class PoslabModel(PoslabPreTrainedModel):
     def set_input_embeddings(self, value: nn.Module) -> None:
         self.embed = value
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+    @can_return_tuple
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, capture=None, cache=None, past_key_values=None,
-                **_unused) -> BaseModelOutputWithPast:
+                use_cache: bool | None = None, output_hidden_states: bool | None = None,
+                output_attentions: bool | None = None, inputs_embeds=None, **_unused) -> BaseModelOutputWithPast:
         """attention_mask (batch, past + n) 1 = real token; position_ids (batch, n), default past..past+n-1;
-        ``cache`` (or ``past_key_values``) a Hugging Face KV ``Cache`` (decoders, incremental decoding)."""
+        ``cache`` (or ``past_key_values``) a Hugging Face KV ``Cache`` (decoders, incremental decoding; made
+        with ``use_cache``). Other keywords (``token_type_ids``: no segment embedding here) are ignored."""
+        require_input_ids(input_ids, inputs_embeds)
         cache = cache if cache is not None else past_key_values
+        if use_cache and cache is None and self.config.is_decoder:
+            cache = DynamicCache(config=self.config)
         check_token_ids(input_ids, self.embed.num_embeddings)
         n = input_ids.shape[1]
         past = cache.get_seq_length() if cache is not None else 0
+        check_attention_mask(attention_mask, input_ids.shape[0], past + n)
+        capture, own = output_capture(self.config, capture, output_hidden_states, output_attentions)
         positions = position_ids if position_ids is not None else torch.arange(past, past + n, device=input_ids.device)[None]
         key_padding = None if attention_mask is None or bool(attention_mask.all()) else attention_mask
         key_positions = cached_key_positions(cache, positions) if cache is not None else None
@@ -113,7 +224,8 @@ class PoslabModel(PoslabPreTrainedModel):
         x = self.final_norm(x)
         if capture is not None:
             capture.record("final", x)
-        return BaseModelOutputWithPast(last_hidden_state=x, **{CACHE_NAME: cache})
+        return BaseModelOutputWithPast(last_hidden_state=x, **{CACHE_NAME: cache},
+                                       **collected_outputs(own, len(self.blocks)))
 
 
 class PoslabForCausalLM(PoslabPreTrainedModel, GenerationMixin):
@@ -133,19 +245,18 @@ class PoslabForCausalLM(PoslabPreTrainedModel, GenerationMixin):
     def get_output_embeddings(self) -> nn.Module:
         return self.lm_head
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+    @can_return_tuple
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 capture=None, cache=None, past_key_values=None, use_cache: bool | None = None,
-                **_unused) -> CausalLMOutputWithPast:
+                num_items_in_batch=None, **kwargs) -> CausalLMOutputWithPast:
         cache = cache if cache is not None else past_key_values
-        if use_cache and cache is None:
-            cache = DynamicCache(config=self.config)
-        hidden = self.model(input_ids, attention_mask, position_ids, capture, cache).last_hidden_state
-        logits = self.lm_head(hidden)
-        loss = None
-        if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_NAME: cache})
+        out = self.model(input_ids, attention_mask, position_ids, capture, cache, use_cache=use_cache, return_dict=True,
+                         **kwargs)
+        logits = self.lm_head(out.last_hidden_state)
+        loss = None if labels is None else scored_loss(logits[:, :-1], labels[:, 1:], num_items_in_batch)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states,
+                                      attentions=out.attentions, **{CACHE_NAME: getattr(out, CACHE_NAME)})
 
 
 class MLMHead(nn.Module):
@@ -159,19 +270,20 @@ class MLMHead(nn.Module):
         return self.decoder(x)
 
 
-def masked_lm_output(head: MLMHead, hidden: torch.Tensor, labels: torch.Tensor | None, sparse: bool) -> MaskedLMOutput:
-    """MLM logits and mean cross-entropy over the labelled tokens. hidden (b, n, d); labels (b, n), -100 =
-    not scored. Logits are (b, n, vocab), or with ``sparse`` and labels (labelled tokens, vocab) in row-major
-    order (ModernBERT's ``sparse_prediction``): the same loss without scoring the ~80% of positions that
-    have no label, which dominate a small model's step (BENCHMARKS.md)."""
+def masked_lm_output(head: MLMHead, hidden: torch.Tensor, labels: torch.Tensor | None, sparse: bool,
+                     num_items_in_batch=None, **outputs) -> MaskedLMOutput:
+    """MLM logits and cross-entropy over the labelled tokens (see ``scored_loss``). hidden (b, n, d); labels
+    (b, n), -100 = not scored. Logits are (b, n, vocab), or with ``sparse`` and labels (labelled tokens, vocab)
+    in row-major order (ModernBERT's ``sparse_prediction``): the same loss without scoring the ~80% of
+    positions that have no label, which dominate a small model's step (BENCHMARKS.md). ``outputs``: the
+    trunk's hidden_states / attentions."""
     if labels is None:
-        return MaskedLMOutput(logits=head(hidden))
+        return MaskedLMOutput(logits=head(hidden), **outputs)
     if sparse:
         scored = labels != -100
         hidden, labels = hidden[scored], labels[scored]
     logits = head(hidden)
-    loss = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=-100)
-    return MaskedLMOutput(loss=loss, logits=logits)
+    return MaskedLMOutput(loss=scored_loss(logits, labels, num_items_in_batch), logits=logits, **outputs)
 
 
 class PoslabForMaskedLM(PoslabPreTrainedModel):
@@ -190,8 +302,13 @@ class PoslabForMaskedLM(PoslabPreTrainedModel):
     def get_output_embeddings(self) -> nn.Module:
         return self.mlm_head.decoder
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.mlm_head.decoder = value
+
+    @can_return_tuple
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                capture=None, **_unused) -> MaskedLMOutput:
-        hidden = self.model(input_ids, attention_mask, position_ids, capture).last_hidden_state
-        return masked_lm_output(self.mlm_head, hidden, labels, self.sparse_prediction)
+                capture=None, num_items_in_batch=None, **kwargs) -> MaskedLMOutput:
+        out = self.model(input_ids, attention_mask, position_ids, capture, return_dict=True, **kwargs)
+        return masked_lm_output(self.mlm_head, out.last_hidden_state, labels, self.sparse_prediction,
+                                num_items_in_batch, hidden_states=out.hidden_states, attentions=out.attentions)
