@@ -238,6 +238,38 @@ def check_bad_inputs_raise_config_errors(attention):
         attention(q, k, v, q_start=torch.tensor([1.5]))
     with pytest.raises(ConfigError, match="one dtype"):
         attention(q, k.double(), v)
+    with pytest.raises(ConfigError, match="seq_lens must be an int or an integer tensor"):
+        attention(q, k, v, seq_lens=torch.tensor([True]))
+    for base in (1.0, -5.0, float("nan")):
+        with pytest.raises(ConfigError, match="base must be a finite number > 1"):
+            attention(q, k, v, base=base)
+    wide = torch.zeros(65536, 1, 1, 16)
+    with pytest.raises(ConfigError, match="batch x heads = 65536 passes the 65535 programs"):
+        attention(wide, wide, wide)
+    import poslab.kernels.pope_flash as module
+
+    limit = module.ROW_SPAN_LIMIT
+    module.ROW_SPAN_LIMIT = 8 * 32  # the 8 x 32 slices of these inputs span 8 * 32 elements
+    try:
+        with pytest.raises(ConfigError, match="spans 256 elements, past the fused kernel's 32-bit row offsets"):
+            attention(q, k, v)
+    finally:
+        module.ROW_SPAN_LIMIT = limit
+
+
+@_check
+def check_non_finite_inputs_come_out_non_finite(attention):
+    """A NaN in one key, or an inf in one query, reaches exactly the rows that attend to it, as in eager
+    attention: the kernel once treated those rows as rows that see no key and returned zeros."""
+    q, k, v, delta = _inputs(1, 1, 9, 9, 16, True, seed=11)
+    k[0, 0, 2, 3] = float("nan")
+    out = attention(q, k, v, delta, causal=True)
+    assert torch.isfinite(out[0, 0, :2]).all() and torch.isnan(out[0, 0, 2:]).all()
+    q, k, v, delta = _inputs(1, 1, 9, 9, 16, True, seed=11)
+    q[0, 0, 4, 0] = float("inf")
+    out = attention(q, k, v, delta, causal=True)
+    rows = torch.isfinite(out[0, 0]).all(-1)
+    assert not rows[4] and rows[torch.arange(9) != 4].all()
 
 
 def _run_checks(names: list[str]) -> dict:

@@ -183,7 +183,8 @@ def _fwd_kernel(MQ, MK, V, O, LSE, TURNS, TURNS32, DELTA, QSTART, KSTART, KLEN, 
                 HAS_DELTA: tl.constexpr, PRECISION: tl.constexpr):
     """One query tile. MQ, MK: softplus(q), softplus(k), contiguous (batch, heads, n, D)."""
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    # int64: batch and head strides times their index pass 2^31 elements on large batches
+    pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // H
     h = pid_bh % H
     q_start = tl.load(QSTART + b)
@@ -202,7 +203,7 @@ def _fwd_kernel(MQ, MK, V, O, LSE, TURNS, TURNS32, DELTA, QSTART, KSTART, KLEN, 
     else:
         bias = tl.zeros([D], dtype=tl.float32)
 
-    mu = tl.load(MQ + pid_bh.to(tl.int64) * NQ * D + offs_m[:, None] * D + offs_d[None, :], mask=row_in[:, None],
+    mu = tl.load(MQ + pid_bh * NQ * D + offs_m[:, None] * D + offs_d[None, :], mask=row_in[:, None],
                  other=0.0)
     t_pos = q_start + offs_m
     c_row, s_row = _row_phases(tl.arange(0, BLOCK_M)[:, None], turns_hi[None, :], turns_lo[None, :])
@@ -215,7 +216,7 @@ def _fwd_kernel(MQ, MK, V, O, LSE, TURNS, TURNS32, DELTA, QSTART, KSTART, KLEN, 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    MK_base = MK + pid_bh.to(tl.int64) * NK * D
+    MK_base = MK + pid_bh * NK * D
     V_base = V + b * svb + h * svh
     c_row, s_row = _row_phases(tl.arange(0, BLOCK_N)[None, :], turns_hi[:, None], turns_lo[:, None])  # keys, (D, N)
     full, hi = _key_range(start_m, q_start, k_start, k_len, q_len, BLOCK_M, BLOCK_N, CAUSAL)
@@ -224,7 +225,8 @@ def _fwd_kernel(MQ, MK, V, O, LSE, TURNS, TURNS32, DELTA, QSTART, KSTART, KLEN, 
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, qx, qy, MK_base, V_base, svn, c_row, s_row, turns, bias, t_pos,
                                k_start, k_len, full, hi, D, BLOCK_N, CAUSAL, True, PRECISION)
 
-    live = (offs_m < q_len) & (l_i > 0.0)
+    # != 0, not > 0: a NaN or inf from q or k must come out as NaN, not as a silently zeroed row
+    live = (offs_m < q_len) & (l_i != 0.0)
     l_safe = tl.where(live, l_i, 1.0)
     out = tl.where(live[:, None], acc / l_safe[:, None], 0.0)
     # +inf makes every recomputed probability of a dead row exactly 0 in the backward pass
@@ -278,7 +280,8 @@ def _bwd_dq_kernel(Q, MQ, MK, V, O, DO, DQ, LSE, DSUM, TURNS, TURNS32, DELTA, QS
                    HAS_DELTA: tl.constexpr, PRECISION: tl.constexpr):
     """dq for one query tile; also stores dsum = rowsum(dO * O), which the dk/dv kernel reads next."""
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    # int64: batch and head strides times their index pass 2^31 elements on large batches
+    pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // H
     h = pid_bh % H
     q_start = tl.load(QSTART + b)
@@ -297,7 +300,7 @@ def _bwd_dq_kernel(Q, MQ, MK, V, O, DO, DQ, LSE, DSUM, TURNS, TURNS32, DELTA, QS
     else:
         bias = tl.zeros([D], dtype=tl.float32)
 
-    mu_ptrs = MQ + pid_bh.to(tl.int64) * NQ * D + offs_m[:, None] * D + offs_d[None, :]
+    mu_ptrs = MQ + pid_bh * NQ * D + offs_m[:, None] * D + offs_d[None, :]
     mu = tl.load(mu_ptrs, mask=row_in[:, None], other=0.0)
     do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdon + offs_d[None, :], mask=row_in[:, None],
                  other=0.0)
@@ -315,7 +318,7 @@ def _bwd_dq_kernel(Q, MQ, MK, V, O, DO, DQ, LSE, DSUM, TURNS, TURNS32, DELTA, QS
     qy = (mu_f * s).to(mu.dtype)
     dqx = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     dqy = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    MK_base = MK + pid_bh.to(tl.int64) * NK * D
+    MK_base = MK + pid_bh * NK * D
     V_base = V + b * svb + h * svh
     c_row, s_row = _row_phases(tl.arange(0, BLOCK_N)[None, :], turns_hi[:, None], turns_lo[:, None])  # keys, (D, N)
     full, hi = _key_range(start_m, q_start, k_start, k_len, q_len, BLOCK_M, BLOCK_N, CAUSAL)
@@ -396,7 +399,8 @@ def _bwd_dkdv_kernel(K, MQ, MK, V, DO, DK, DV, DQACC, DDELTA, LSE, DSUM, TURNS, 
     With ATOMIC_DQ also this tile's share of dq / (scale * sigmoid(q)), added atomically in fp32 into DQACC,
     contiguous (batch, heads, n, D): the "atomic" backward, which needs no dq kernel."""
     pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    # int64: batch and head strides times their index pass 2^31 elements on large batches
+    pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // H
     h = pid_bh % H
     q_start = tl.load(QSTART + b)
@@ -415,7 +419,7 @@ def _bwd_dkdv_kernel(K, MQ, MK, V, DO, DK, DV, DQACC, DDELTA, LSE, DSUM, TURNS, 
     else:
         bias = tl.zeros([D], dtype=tl.float32)
 
-    mu_ptrs = MK + pid_bh.to(tl.int64) * NK * D + offs_n[:, None] * D + offs_d[None, :]
+    mu_ptrs = MK + pid_bh * NK * D + offs_n[:, None] * D + offs_d[None, :]
     mu = tl.load(mu_ptrs, mask=key_in[:, None], other=0.0)
     v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svn + offs_d[None, :], mask=key_in[:, None], other=0.0)
     c_row, s_row = _row_phases(tl.arange(0, BLOCK_N)[:, None], turns_hi[None, :], turns_lo[None, :])
@@ -428,11 +432,11 @@ def _bwd_dkdv_kernel(K, MQ, MK, V, DO, DK, DV, DQACC, DDELTA, LSE, DSUM, TURNS, 
     dkx = tl.zeros([BLOCK_N, D], dtype=tl.float32)
     dky = tl.zeros([BLOCK_N, D], dtype=tl.float32)
 
-    MQ_base = MQ + pid_bh.to(tl.int64) * NQ * D
+    MQ_base = MQ + pid_bh * NQ * D
     DO_base = DO + b * sdob + h * sdoh
     LSE_base = LSE + pid_bh * NQ
     DSUM_base = DSUM + pid_bh * NQ
-    DQ_base = DQACC + pid_bh.to(tl.int64) * NQ * D
+    DQ_base = DQACC + pid_bh * NQ * D
     c_row, s_row = _row_phases(tl.arange(0, BLOCK_M)[None, :], turns_hi[:, None], turns_lo[:, None])  # queries, (D, M)
     lo, mid, full, hi = _query_range(start_n, q_start, k_start, k_len, q_len, BLOCK_M, BLOCK_N, CAUSAL)
     dv, dkx, dky = _dkdv_inner(dv, dkx, dky, kx, ky, v, MQ_base, DO_base, LSE_base, DSUM_base, DQ_base, sdon, c_row,
@@ -467,10 +471,9 @@ def _bwd_dkdv_kernel(K, MQ, MK, V, DO, DK, DV, DQACC, DDELTA, LSE, DSUM, TURNS, 
 def _row_block(X, sxb, sxh, sxn, H, D: tl.constexpr, BLOCK_M: tl.constexpr):
     """Pointers (BLOCK_M, D) to the query rows of program (row block, batch * heads) in a (batch, heads, n,
     D) tensor of the given strides, and their row indices (BLOCK_M,)."""
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1).to(tl.int64)  # as in the attention kernels
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    # int64 batch offset: a (batch, heads, n, D) tensor passes 2^31 elements at ~1M tokens of d_model 2048
-    ptrs = X + (pid_bh // H).to(tl.int64) * sxb + (pid_bh % H) * sxh + offs_m[:, None] * sxn + tl.arange(0, D)[None, :]
+    ptrs = X + (pid_bh // H) * sxb + (pid_bh % H) * sxh + offs_m[:, None] * sxn + tl.arange(0, D)[None, :]
     return ptrs, offs_m
 
 
@@ -483,7 +486,7 @@ def _bwd_rowsum_kernel(O, DO, DSUM, sob, soh, son, sdob, sdoh, sdon, H, NQ, D: t
     row_in = offs_m[:, None] < NQ
     o = tl.load(o_ptrs, mask=row_in, other=0.0).to(tl.float32)
     do = tl.load(do_ptrs, mask=row_in, other=0.0).to(tl.float32)
-    tl.store(DSUM + tl.program_id(1) * NQ + offs_m, tl.sum(o * do, 1), mask=offs_m < NQ)
+    tl.store(DSUM + tl.program_id(1).to(tl.int64) * NQ + offs_m, tl.sum(o * do, 1), mask=offs_m < NQ)
 
 
 @triton.jit
@@ -633,11 +636,18 @@ class _PopeFlash(torch.autograd.Function):
         return dq, dk, dv, ddelta, None, None, None, None, None, None, None, None
 
 
+# The kernels index batch and head in int64 but rows within one (batch, head) slice in int32, and CUDA allows
+# 65,535 programs on the grid axis that holds batch x heads.
+ROW_SPAN_LIMIT = 2**31
+GRID_Y_LIMIT = 65535
+
+
 def _per_batch(value, b: int, name: str, device) -> torch.Tensor:
     """An int or a (batch,) integer tensor -> (batch,) int32 on device. Positions stay below 2^30 so that
     the kernels' int32 index arithmetic cannot overflow (a tensor costs one host sync to check)."""
     if isinstance(value, torch.Tensor):
-        require(value.shape == (b,) and not value.is_floating_point() and not value.is_complex(),
+        require(value.shape == (b,) and value.dtype != torch.bool and not value.is_floating_point()
+                and not value.is_complex(),
                 f"{name} must be an int or an integer tensor of shape ({b},), got {value.dtype} {tuple(value.shape)}")
         require(bool((value.abs() < 2**30).all()), f"{name} must stay below 2^30 in magnitude")
         return value.to(device=device, dtype=torch.int32)
@@ -674,6 +684,13 @@ def pope_flash_attention(
             "CPU, slowly); use attn_backend 'sdpa' on this device")
     if delta is not None:
         require(delta.shape == (h, d), f"delta must be (heads={h}, d={d}), got {tuple(delta.shape)}")
+    require(math.isfinite(base) and base > 1, f"base must be a finite number > 1, got {base}")
+    require(b * h <= GRID_Y_LIMIT, f"batch x heads = {b * h} passes the {GRID_Y_LIMIT} programs CUDA allows on "
+            "a grid axis; split the batch")
+    span = max((x.shape[2] - 1) * x.stride(2) + d for x in (q, k, v))
+    require(span < ROW_SPAN_LIMIT, f"one (batch, head) slice of q, k or v spans {span} elements, past the fused "
+            "kernel's 32-bit row offsets; make q, k, v contiguous as (batch, heads, n, d), shorten the sequence "
+            "or use attn_backend 'sdpa'")
     nk = k.shape[2]
     q_start_t = _per_batch(q_start, b, "q_start", q.device)
     k_start_t = _per_batch(k_start, b, "k_start", q.device)
