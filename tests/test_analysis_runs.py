@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -143,7 +144,7 @@ def test_spectra_heads_frequencies_where_they_apply(runs):
     assert len(freq["q"]) == 2 and len(freq["q"][0]) == 8  # 2 layers x head_dim / 2 rotary chunks
 
 
-def test_extrapolation_several_runs_with_rope_scalings(runs):
+def test_extrapolation_several_runs_with_rope_scalings(runs, capsys):
     assert analyze("extrapolation", "--run", str(runs / "rope"), "--compare", str(runs / "learned"),
                    "--sequences", "16", "--factors", "1", "2", "8") == 0
     data = json.loads((runs / "rope" / "analysis" / "extrapolation.json").read_text())["runs"]
@@ -152,6 +153,19 @@ def test_extrapolation_several_runs_with_rope_scalings(runs):
     assert all("loss" in rec for rec in data["rope"]["curves"]["yarn"])
     # Length 8x needs positions past the learned table (max_seq_len 24): recorded, not a crash.
     assert "error" in data["learned"]["curves"]["none"][-1] and "loss" in data["learned"]["curves"]["none"][0]
+    assert "extrapolation: 1 evaluations failed, each recorded with its reason" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("options,length", [({"max_len": 5}, 5), ({"max_len": 12, "train_max_len": 7}, 7),
+                                            ({}, 9), ({"train_max_len": 6}, 6)])
+def test_a_task_runs_training_length_takes_the_tasks_defaults(options, length):
+    """Addition's default max_len is 9: a run config that leaves it out (the adjacency recipe's) trained at 9, and
+    reading 1 there made every factor, the figure's axis and RoPE's scaling factor wrong."""
+    from poslab.analysis.extrapolation import training_length
+
+    cfg = config("rope")
+    cfg["data"] = {"kind": "task", "name": "addition", **options}
+    assert training_length(RunConfig.from_dict(cfg)) == length
 
 
 def test_rope_scaling_is_the_identity_at_factor_one_and_changes_longer_inputs(runs):
@@ -164,8 +178,9 @@ def test_rope_scaling_is_the_identity_at_factor_one_and_changes_longer_inputs(ru
     with pytest.raises(ConfigError, match="rope models"):
         with_rope_scaling(Run.load(runs / "learned").config, run.model, "yarn", 2.0, 24)
     assert evaluate_lengths(run.config, run.model, [5], sequences=8, batch_size=8)[0]["factor"] == 1.0
-    # Task problems are drawn at each length, so every length gets the same number.
-    assert [r["sequences"] for r in evaluate_lengths(run.config, run.model, [5, 10], sequences=8, batch_size=8)] == [8, 8]
+    # Task problems are drawn at each length and every one of the split is scored: the records say how many.
+    records = evaluate_lengths(run.config, run.model, [5, 10], sequences=8, batch_size=8)
+    assert [r["sequences"] for r in records] == [r["examples"] for r in records] == [32, 32]
 
 
 def test_dstg_run_streams_table_and_terms(tmp_path):
@@ -444,3 +459,46 @@ def test_extrapolation_recipe_evaluates_the_paper_scale_on_pg19(tmp_path):
     section = recipe.run_config(recipe.SCALES["paper"], "pope", tmp_path)["data"]
     merged = {k: v for k, v in section.items() if k != "kind"} | paper
     assert DataConfig.from_options(merged).source["name"] == "emozilla/pg19"  # valid over the run's data section
+
+
+def test_a_relative_cache_dir_is_found_from_anywhere_and_never_prepared_in_the_working_directory(tmp_path,
+                                                                                                 monkeypatch):
+    """Training ran in `project` with cache_dir `data`; analysis from elsewhere used to prepare the corpus again
+    under that directory, relative to wherever it ran."""
+    project = tmp_path / "project"
+    project.mkdir()
+    monkeypatch.chdir(project)
+    cfg = lm_config("data")
+    train(RunConfig.from_dict(cfg), Path("runs") / "lm")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    run = Run.load(project / "runs" / "lm")
+    assert run.config.data.options["cache_dir"] == str(project / "data")
+    assert len(run.batches(4, 4)) == 1 and list(elsewhere.iterdir()) == []
+    (project / "data").rename(tmp_path / "moved")  # a cache found nowhere is prepared under the run's analysis/
+    run = Run.load(project / "runs" / "lm")
+    assert run.config.data.options["cache_dir"] == str(project / "runs" / "lm" / "analysis" / "data")
+
+
+def test_every_series_of_a_figure_has_its_own_look():
+    """Past matplotlib's ten colours, series repeated one another (DSTG's adjacency figure drew "trained resid.ap"
+    and "init attn_out.sem" alike): "init X" is dashed in the colour of "trained X", and further line styles
+    keep any number of series apart."""
+    from poslab.analysis.plots import _styles
+
+    names = [f"{model} {stream}" for model in ("trained", "init") for stream in
+             ["resid", "attn_out", *[f"resid.s{i}" for i in range(10)]]] + [f"extra {i}" for i in range(25)]
+    styles = _styles(names)
+    looks = {tuple(styles[n].values()) for n in names}
+    assert len(looks) == len(names)
+    for stream in ("resid", "resid.s9"):
+        trained, init = styles[f"trained {stream}"], styles[f"init {stream}"]
+        assert trained["color"] == init["color"] and trained["linestyle"] != init["linestyle"]
+
+
+def test_head_labels_have_distinct_marks():
+    from poslab.analysis.heads import MARKS, TERM_LABELS
+
+    labels = {*TERM_LABELS.values(), "mixed"}
+    assert labels <= set(MARKS) and len({MARKS[label] for label in labels}) == len(labels)

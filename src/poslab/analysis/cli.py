@@ -6,6 +6,7 @@ KIND: adjacency, variance, probes, spectra, heads, frequencies, extrapolation (s
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from poslab.arguments import path_argument, read_yaml
@@ -29,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", choices=("best", "last"), default=None, help="default: best if present, else last")
     p.add_argument("--sequences", type=int, default=defaults.sequences,
                    help="evaluation sequences to analyse (extrapolation: at the longest length; text reads the same "
-                        "tokens at every length, in more, shorter windows)")
+                        "tokens at every length, in more, shorter windows; a task scores every problem of the split)")
     p.add_argument("--batch-size", type=int, default=defaults.batch_size)
     p.add_argument("--split", default=None, help="evaluation split (default: the run's train.eval_split)")
     p.add_argument("--device", default=defaults.device,
@@ -78,6 +79,11 @@ def run(args: argparse.Namespace) -> int:
     run_ = Run.load(args.run, args.checkpoint, device)
     result = ANALYSES[args.kind](run_, opts)
     print(f"{args.kind}: wrote {run_.out_dir / (args.kind + '.json')} and {', '.join(result['figures'])}")
+    failed = [rec["error"] for r in result.get("runs", {}).values() for curve in r.get("curves", {}).values()
+              for rec in curve if "error" in rec]
+    if failed:  # extrapolation records a length it cannot evaluate instead of stopping: say so where it is seen
+        print(f"{args.kind}: {len(failed)} evaluations failed, each recorded with its reason; the first: {failed[0]}",
+              file=sys.stderr)
     return 0
 
 

@@ -19,10 +19,10 @@ from poslab.analysis.capture import collect, iterate_captures
 from poslab.analysis.extrapolation import (ROPE_SCALINGS, evaluate_lengths, evaluation_config, rope_scaled_lengths,
                                            training_length, training_tokens)
 from poslab.analysis.frequencies import frequency_sums, usage_summary
-from poslab.analysis.heads import allowed_keys, label_heads, term_variances, variance_shares
-from poslab.analysis.probes import (absolute_positions, classification_probe, cosine_features, mlp_probe,
-                                    ridge_probe, shuffle_tokens, split_sequences, valid_targets, variance_features,
-                                    window_labels)
+from poslab.analysis.heads import MARKS, allowed_keys, label_heads, term_variances, variance_shares
+from poslab.analysis.probes import (COSINE_LAGS, absolute_positions, classification_probe, cosine_features,
+                                    mlp_probe, ridge_probe, shuffle_tokens, split_sequences, valid_targets,
+                                    variance_features, window_labels)
 from poslab.analysis.runs import Run, by_depth, layer_of, stream_of
 from poslab.analysis.similarity import cosine_self_similarity, sequence_adjacency
 from poslab.analysis.spectra import pca, spectrum_summary
@@ -32,7 +32,8 @@ from poslab.positional import InputPositional, get_scheme
 
 STREAMS = ["embed", "embed.*", "blocks.*.resid_post", "blocks.*.resid_post.*"]
 ATTN_OUT = ["blocks.*.attn_out", "blocks.*.attn_out.*"]
-NOT_TARGETS = ("input_ids", "labels", "attention_mask", "doc_id")
+# abs_position is the data's count of positions, which on text batches (right-padded) is "position" again
+NOT_TARGETS = ("input_ids", "labels", "attention_mask", "doc_id", "abs_position")
 NULL_FEATURES = "cosine, tokens shuffled (null)"
 
 
@@ -176,10 +177,10 @@ def probes(run: Run, opts: Options) -> dict:
             for name in streams:
                 r2 = ridge_probe(caps[name], y, mask, split)["r2"][0]
                 entry["ridge"][target][name] = r2
-                key = f"{label} {target} {stream_of(name)}"
-                ridge_series.setdefault(key, ([], []))
-                ridge_series[key][0].append(layer_of(name))
-                ridge_series[key][1].append(r2)
+                key = f"{label} {stream_of(name)}"
+                panel = ridge_series.setdefault(target, {}).setdefault(key, ([], []))
+                panel[0].append(layer_of(name))
+                panel[1].append(r2)
         whole = [n for n in streams if stream_of(n) == "resid" and not n.startswith("embed")]
         attn = [n for n in by_depth(caps) if stream_of(n) == "attn_out"]
         shuffled = {n: shuffle_tokens(caps[n], mask, seed=run.config.seed) for n in whole}
@@ -189,11 +190,16 @@ def probes(run: Run, opts: Options) -> dict:
                     "variance": torch.cat([variance_features(caps[n]) for n in attn], -1),
                     NULL_FEATURES: torch.cat([cosine_features(shuffled[n], mask, causal=run.causal)[0]
                                               for n in whole], -1)}
-        for kind, x in features.items():
-            entry["mlp"][kind] = mlp_probe(x, targets.get("position", absolute_positions(mask)), probed, split,
-                                           steps=opts.probe_steps, seed=run.config.seed)
-        mlp_groups[label] = {f"{k} R": v["pearson_r"] for k, v in entry["mlp"].items()}
-        mlp_groups[label].update({f"{k} NRMSE": v["nrmse"] for k, v in entry["mlp"].items()})
+        if all(probed[rows].any() for rows in (split.train, split.val, split.test)):
+            for kind, x in features.items():
+                entry["mlp"][kind] = mlp_probe(x, targets.get("position", absolute_positions(mask)), probed, split,
+                                               steps=opts.probe_steps, seed=run.config.seed)
+            mlp_groups[label] = {f"{k} R": v["pearson_r"] for k, v in entry["mlp"].items()}
+            mlp_groups[label].update({f"{k} NRMSE": v["nrmse"] for k, v in entry["mlp"].items()})
+        else:  # more sequences of the same length cannot help: say so, and keep the other probes
+            around = "back" if run.causal else "back and ahead"
+            entry["mlp"] = {"skipped": f"no token of some split has every cosine feature: each needs real tokens "
+                                       f"{max(COSINE_LAGS)} positions {around}, longer than these sequences"}
         # Text sources hand analyses intact text without labels; only task problems have classes to probe.
         task = _task_targets(batch["labels"], run.causal) if "labels" in batch else None
         classes = torch.unique(task[valid_targets(task, mask)]).numel() if task is not None else 0
@@ -211,9 +217,11 @@ def probes(run: Run, opts: Options) -> dict:
         else:
             entry["classification"] = {"skipped": f"task labels have {classes} classes (probed: 2..{opts.max_classes})"}
         data["models"][label] = entry
-    figures = [plots.lines(run.out_dir / "probes_ridge.png", ridge_series, f"Linear probes, test R^2 ({run.name})",
-                           "layer (0 = embeddings)", "R^2"),
-               plots.bars(run.out_dir / "probes_mlp.png", mlp_groups, "4-layer MLP probe of position", "value")]
+    figures = [plots.line_panels(run.out_dir / "probes_ridge.png", ridge_series,
+                                 f"Linear probes, test R^2 ({run.name})", "layer (0 = embeddings)", "R^2")]
+    if mlp_groups:
+        figures.append(plots.bars(run.out_dir / "probes_mlp.png", mlp_groups,
+                                  f"4-layer MLP probe of position ({run.name})", "value"))
     if class_series:
         figures.append(plots.lines(run.out_dir / "probes_classification.png", class_series,
                                    f"Task-label classification probes ({run.name})", "layer (0 = embeddings)",
@@ -303,10 +311,12 @@ def heads(run: Run, opts: Options) -> dict:
                                        "labels": labels[j]} for j, i in enumerate(layers)},
             "counts": {lab: sum(row.count(lab) for row in labels) for lab in sorted({x for r in labels for x in r})}}
     heads_n = shares.shape[-1]
-    figures = [plots.heatmap(run.out_dir / f"heads_{t}.png", shares[:, k].tolist(), f"share of logit variance: {t}",
-                             "head", "layer", yticklabels=[str(i) for i in layers],
-                             xticklabels=[str(h) for h in range(heads_n)], vmin=0, vmax=1,
-                             annotations=[[lab[0].upper() for lab in row] for row in labels])
+    marks = {lab: MARKS.get(lab, lab[:2]) for row in labels for lab in row}
+    key = ", ".join(f"{mark} {lab}" for lab, mark in sorted(marks.items()))
+    figures = [plots.heatmap(run.out_dir / f"heads_{t}.png", shares[:, k].tolist(),
+                             f"share of logit variance: {t} ({run.name})\nhead labels: {key}", "head", "layer",
+                             yticklabels=[str(i) for i in layers], xticklabels=[str(h) for h in range(heads_n)],
+                             vmin=0, vmax=1, annotations=[[marks[lab] for lab in row] for row in labels])
                for k, t in enumerate(names)]
     return _finish(run, "heads", data, figures)
 

@@ -45,6 +45,7 @@ import torch
 from poslab.errors import ConfigError, DataError, PoslabError, unknown_key_message
 from poslab.models import build_model
 from poslab.positional import get_scheme
+from poslab.tasks import build_task
 from poslab.train.config import RunConfig
 from poslab.train.evaluation import evaluate
 
@@ -64,12 +65,19 @@ class LengthOption:
     windows: Callable[[dict], bool]
 
 
+def _task_training_length(options: dict) -> int:
+    """The longest problem a task run trained on, from the task's own options: a config that leaves
+    ``max_len`` to the task's default (the adjacency recipe's) trains at that default, not at 1."""
+    task = build_task(**options).options
+    return int(task.train_max_len or task.max_len)
+
+
 LENGTHS: dict[str, LengthOption] = {
     "lm": LengthOption(lambda o: int(o.get("seq_len", 128)), lambda n: {"seq_len": n},
                        windows=lambda o: bool(o.get("packing", True))),
     "mlm": LengthOption(lambda o: int(o.get("seq_len", 128)), lambda n: {"seq_len": n},
                         windows=lambda o: bool(o.get("packing", True))),
-    "task": LengthOption(lambda o: int(o.get("train_max_len") or o.get("max_len", 1)),
+    "task": LengthOption(_task_training_length,
                          lambda n: {"min_len": n, "max_len": n, "train_max_len": None}, windows=lambda o: False),
 }
 # name -> (rope.scaling, whether factor = L / training length is passed). Dynamic NTK stretches its base by
@@ -246,6 +254,8 @@ def evaluate_lengths(config: RunConfig, model: torch.nn.Module, lengths: list[in
                 record["sequences"] = min(source.num_sequences(cfg.train.eval_split),
                                           cfg.train.eval_batches * batch_size)
             record.update(evaluate(model, source, cfg, device, contextlib.nullcontext()))
+            # Answer scoring reads the whole split (train.evaluation.batches), whatever was asked for
+            record["sequences"] = record.get("examples", record["sequences"])
         except PoslabError as err:
             record["error"] = str(err)
         out.append(record)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 
 TERM_LABELS = {"ap": "structure", "sem": "semantic", "rp": "relative", "bias": "relative", "content": "content"}
+# A label's mark in the heatmaps' cells: distinct where first letters are not (structure, semantic).
+MARKS = {"structure": "St", "semantic": "Se", "relative": "R", "content": "C", "mixed": "M"}
 
 
 def allowed_keys(n: int, causal: bool, attention_mask: torch.Tensor | None = None) -> torch.Tensor:

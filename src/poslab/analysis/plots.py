@@ -45,20 +45,75 @@ def save_figure(fig, path: Path) -> Path:
     return out
 
 
-def lines(path: Path, series: dict[str, tuple[list, list]], title: str, xlabel: str, ylabel: str,
-          logx: bool = False, hline: float | None = None) -> Path:
-    """One line per named (x, y) series."""
-    fig, ax = _pyplot().subplots(figsize=(6.4, 4.2))
+# Series of an untrained copy are named "init X" beside the trained model's "trained X" (commands._models).
+MODEL_LABELS = ("trained", "init")
+LINESTYLES = ("-", "--", ":", "-.")
+MARKERS = ("o", "s", "^", "x")
+
+
+def _styles(names: list[str]) -> dict[str, dict]:
+    """A distinct (colour, line style, marker) per series: "init X" dashed in the colour of "trained X", and
+    past the colour cycle's length further line styles, then markers, so no two series look alike."""
+    def split(name: str) -> tuple[int, str]:
+        first, _, rest = name.partition(" ")
+        return (MODEL_LABELS.index(first), rest) if first in MODEL_LABELS and rest else (0, name)
+
+    rests = list(dict.fromkeys(split(n)[1] for n in names))
+    colours = _pyplot().get_cmap("tab10" if len(rests) <= 10 else "tab20").colors
+    styles = {}
+    for name in names:
+        model, rest = split(name)
+        cycle, i = divmod(rests.index(rest), len(colours))
+        styles[name] = {"color": colours[i], "linestyle": LINESTYLES[(model + 2 * cycle) % len(LINESTYLES)],
+                        "marker": MARKERS[cycle // 2 % len(MARKERS)]}
+    return styles
+
+
+def _draw_lines(ax, series: dict[str, tuple[list, list]], logx: bool, hline: float | None) -> None:
+    styles = _styles(list(series))
     for name, (x, y) in series.items():
-        ax.plot(x, [math.nan if v is None else v for v in y], marker="o", markersize=3, label=name)
+        ax.plot(x, [math.nan if v is None else v for v in y], markersize=3, label=name, **styles[name])
     if hline is not None:
         ax.axhline(hline, color="grey", linestyle=":", linewidth=1)
     if logx:
         ax.set_xscale("log")
-    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
-    if len(series) > 1:
-        ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
+
+
+def _legend(ax, count: int) -> None:
+    """Inside the axes for a few series, beside them for more (where it would hide the lines)."""
+    if count > 6:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    elif count > 1:
+        ax.legend(fontsize=8)
+
+
+def lines(path: Path, series: dict[str, tuple[list, list]], title: str, xlabel: str, ylabel: str,
+          logx: bool = False, hline: float | None = None) -> Path:
+    """One line per named (x, y) series."""
+    fig, ax = _pyplot().subplots(figsize=(6.4, 4.2))
+    _draw_lines(ax, series, logx, hline)
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    _legend(ax, len(series))
+    return save_figure(fig, path)
+
+
+def line_panels(path: Path, panels: dict[str, dict[str, tuple[list, list]]], title: str, xlabel: str,
+                ylabel: str) -> Path:
+    """One panel of lines per key (e.g. per probe target), sharing axes' labels, in rows of up to three."""
+    k = len(panels)
+    cols = max(1, min(k, 3))
+    rows = math.ceil(k / cols)
+    fig, axes = _pyplot().subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False)
+    for ax, (name, series) in zip(axes.flat, panels.items()):
+        _draw_lines(ax, series, False, None)
+        ax.set_title(name, fontsize=9)
+        ax.set(xlabel=xlabel, ylabel=ylabel)
+        _legend(ax, len(series))
+    for ax in list(axes.flat)[k:]:
+        ax.axis("off")
+    fig.suptitle(title)
+    fig.tight_layout()
     return save_figure(fig, path)
 
 

@@ -126,7 +126,10 @@ def valid_targets(targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------------------------- features
 
-def cosine_features(h: torch.Tensor, mask: torch.Tensor, causal: bool = True, lags: tuple[int, ...] = (1, 2, 4, 8),
+COSINE_LAGS = (1, 2, 4, 8)
+
+
+def cosine_features(h: torch.Tensor, mask: torch.Tensor, causal: bool = True, lags: tuple[int, ...] = COSINE_LAGS,
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """How each state relates to the states around it. h (S, n, d), mask (S, n) ->
     (features (S, n, 1 + len(lags)), defined (S, n) bool).

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -59,6 +59,10 @@ class Run:
             problem = "is a file, not a run directory" if path.exists() else "does not exist"
             raise CheckpointError(f"{path} {problem}; pass the --out directory of `poslab train`")
         config, model = load_run(path, checkpoint)
+        options = config.data.options
+        found = {key: _located(options[key], path, create=key == "cache_dir")
+                 for key in ("cache_dir", "prepared") if isinstance(options.get(key), str)}
+        config = replace(config, data=replace(config.data, options={**options, **found}))
         return cls(path, config, model.to(device).eval())
 
     @property
@@ -99,6 +103,19 @@ class Run:
         as the data is, not as training corrupts it: a masked LM's text without its [MASK]s and labels."""
         source = self.source()
         return take_batches(source.sequence_batches(split or self.config.train.eval_split, batch_size), sequences)
+
+
+def _located(value: str, run_dir: Path, create: bool) -> str:
+    """A relative data path of a run config (``cache_dir``, ``prepared``) is relative to where training ran,
+    which is not known here: the first of the current directory and the run's parent directories that holds
+    it. A cache found nowhere is prepared under DIR/analysis/ (``create``), not wherever analysis runs."""
+    path = Path(value)
+    if path.is_absolute():
+        return value
+    for base in (Path.cwd(), *run_dir.resolve().parents):
+        if (base / path).exists():
+            return str(base / path)
+    return str(run_dir / ANALYSIS_DIR / path) if create else value
 
 
 def layer_of(name: str) -> int:
