@@ -531,8 +531,9 @@ def test_cli_prepare(tmp_path, capsys):
                       "  tokenizer: {vocab_size: 100, min_frequency: 1}\n")
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
+    # A run config's keys as `poslab train --set` names them (data.x) or relative to its data section (x)
     args = parser.parse_args(["data", "prepare", str(config), "--out", str(tmp_path / "o"),
-                              "--set", "tokenizer.type=bpe", "--set", "seq_len=16"])
+                              "--set", "data.tokenizer.type=bpe", "--set", "seq_len=16"])
     assert args.func(args) == 0
     out, err = capsys.readouterr()
     assert "train: 1 documents, 3 sentences" in out and "replaced 1 invalid UTF-8" in err
@@ -543,6 +544,11 @@ def test_cli_prepare(tmp_path, capsys):
         run_prepare(parser.parse_args(["data", "prepare", str(config), "--out", str(tmp_path / "p"),
                                        "--set", "seq_len=1"]))
     assert not (tmp_path / "p").exists()
+    task = tmp_path / "task.yaml"
+    task.write_text("data: {kind: task, name: addition}\n")
+    with pytest.raises(ConfigError, match="is a task .kind: task., whose problems are drawn as it trains: there is "
+                                          "nothing to prepare"):
+        load_data_config(str(task), [])
 
 
 def test_cli_bad_config_files_and_overrides_are_one_line(tmp_path, capsys, monkeypatch):

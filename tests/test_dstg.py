@@ -366,6 +366,11 @@ def test_params_command_prints_counts_and_the_matching_width(capsys):
     out = capsys.readouterr().out
     expected = count_parameters(ready_config("dstg", "quick"))
     assert f"{expected:,d}" in out and "rp_neobert" in out
+    # and the models the recipe trains from them (2 x 64 at quick scale, not the ready configs' 4 x 128)
+    from poslab.experiments import dstg as recipe
+
+    trained = count_parameters(recipe.model_sections(recipe.SCALES["quick"])["dstg"])
+    assert "as `poslab reproduce dstg --scale quick` trains them" in out and f"{trained:,d}" in out
     assert f"matching rope_neobert: {ready_config('dstg', 'quick')['ffn_hidden']}" in out
 
 

@@ -158,6 +158,16 @@ def interrupt(recipe: str, monkeypatch) -> None:
     monkeypatch.setitem(runner.RECIPES, recipe, ("fake_recipes:boom", recipe))
 
 
+def test_a_training_run_directory_is_refused_as_out(tmp_path, fake_recipes):
+    """`poslab train --out DIR` then `poslab reproduce --out DIR` wrote the report beside the run's checkpoints."""
+    (tmp_path / "config.yaml").write_text("seed: 0\n")
+    (tmp_path / "checkpoints").mkdir()
+    with pytest.raises(PoslabError, match=f"^{re.escape(str(tmp_path))} is a training run .*; reproduce into another "
+                                          "--out$"):
+        runner.reproduce(["one"], "smoke", tmp_path, log=lambda _: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "config.yaml"] and fake_recipes == []
+
+
 def test_another_scale_is_refused_before_any_recipe_finished(tmp_path, fake_recipes, monkeypatch):
     """DIR/scale.json names the scale from the start: a quick run in a directory whose smoke run was stopped in
     its first recipe used to fail later, on the first training, with "cannot resume: model.d_model differs"."""
@@ -165,7 +175,7 @@ def test_another_scale_is_refused_before_any_recipe_finished(tmp_path, fake_reci
     with pytest.raises(KeyboardInterrupt):
         runner.reproduce(["all"], "smoke", tmp_path, log=lambda _: None)
     assert not (tmp_path / "results.json").exists()
-    with pytest.raises(PoslabError, match=f"^{re.escape(str(tmp_path))} holds smoke-scale trainings, none finished "
+    with pytest.raises(PoslabError, match=f"^{re.escape(str(tmp_path))} holds smoke-scale trainings "
                                           f"\\(see {re.escape(str(tmp_path / 'scale.json'))}\\); one --out holds one "
                                           f"scale, .* or delete {re.escape(str(tmp_path))} to start it over$"):
         runner.reproduce(["one"], "quick", tmp_path, log=lambda _: None)

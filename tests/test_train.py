@@ -97,6 +97,7 @@ def test_unknown_keys_name_the_closest_valid_key(tmp_path, section, key, suggest
     ("data.kind=text", "unknown data kind 'text'"),
     ("model.n_heads=3", "n_heads .3. must divide d_model"),
     ("train=3", "train must be a mapping"),
+    ("train=null", "--set train=null would drop the config's whole 'train' section; set its keys instead"),
     ("train.lr", "--set expects key.path=value"),
 ])
 def test_invalid_values_raise_one_line_config_errors(tmp_path, override, message):

@@ -28,19 +28,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true",
                    help="replace DIR if it is a prepared data directory (after the new one is complete)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a value, e.g. --set source.documents=500 (repeatable; values are YAML)")
+                   help="override a value, e.g. --set source.documents=500 (repeatable; values are YAML; in a run "
+                        "config also as data.source.documents=500)")
     p.set_defaults(func=run_prepare)
 
 
 def load_data_config(path: str, overrides: list[str]) -> DataConfig:
     raw = read_yaml(path)
-    if isinstance(raw, dict) and isinstance(raw.get("data"), dict):
+    run_config = isinstance(raw, dict) and isinstance(raw.get("data"), dict)
+    if run_config:
         raw = raw["data"]
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a mapping (a data section or a run config with 'data')")
+    if raw.get("kind") == "task":
+        raise ConfigError(f"the data of {path} is a task (kind: task), whose problems are drawn as it trains: "
+                          "there is nothing to prepare; `poslab train` reads it as it is")
     raw = {k: v for k, v in raw.items() if k != "kind"}
-    for item in overrides:
-        apply_override(raw, item)
+    for item in overrides:  # a run config's keys as `poslab train --set` names them (data.x) or as its data's (x)
+        apply_override(raw, item.removeprefix("data.") if run_config else item)
     return DataConfig.from_options(raw)
 
 

@@ -185,6 +185,9 @@ def reproduce(names: list[str], scale: str, out: str | Path, force: bool = False
     if not _is_main():
         log = lambda _: None  # noqa: E731  (other ranks stay silent)
     check_writable(out)
+    if (out / "config.yaml").is_file() and (out / "checkpoints").is_dir():
+        raise PoslabError(f"{out} is a training run (poslab train wrote its config.yaml and checkpoints); reproduce "
+                          "into another --out")
     # Two reproductions into one DIR would train the same runs side by side and overwrite each other's
     # results.json; rank 0 holds DIR/.lock for the whole reproduction (torchrun stops the other ranks if it
     # refuses).
@@ -227,9 +230,8 @@ def finished_at_scale(out: Path, scale: str, log: Callable[[str], None]) -> dict
     except (OSError, ValueError, AttributeError):  # none yet (or damaged): the finished results decide
         marked = None
     if marked in SCALES and marked != scale:
-        raise PoslabError(f"{out} holds {marked}-scale trainings, none finished (see {out / SCALE_FILE}); one --out "
-                          f"holds one scale, so choose another --out for --scale {scale}, or delete {out} to start "
-                          "it over")
+        raise PoslabError(f"{out} holds {marked}-scale trainings (see {out / SCALE_FILE}); one --out holds one "
+                          f"scale, so choose another --out for --scale {scale}, or delete {out} to start it over")
     return recipes
 
 

@@ -395,15 +395,16 @@ def match_ffn_hidden(values: dict[str, Any], target: int) -> int:
     return min((lo, hi), key=lambda h: abs(count(h) - target))
 
 
-def parameter_table(scale: str) -> list[tuple[str, int, float]]:
-    """(name, parameters, ratio to RoPE-NeoBERT) for each ready config of a scale."""
-    counts = {name: count_parameters(ready_config(name, scale)) for name in READY}
+def parameter_table(models: dict[str, dict[str, Any]]) -> list[tuple[str, int, float]]:
+    """(name, parameters, ratio to RoPE-NeoBERT) for each model section (name -> model config)."""
+    counts = {name: count_parameters(values) for name, values in models.items()}
     return [(name, c, c / counts["rope_neobert"]) for name, c in counts.items()]
 
 
 def register(subparsers) -> None:
     """``poslab params``: the CLI hook (the lead's cli.py lists this module)."""
-    parser = subparsers.add_parser("params", help="parameter counts of DSTG-NeoBERT and its baselines")
+    parser = subparsers.add_parser("params", help="parameter counts of DSTG-NeoBERT and its baselines: the ready "
+                                   "configs and the models the dstg recipe trains from them")
     parser.add_argument("--scale", choices=SCALES, action="append", help="default: every scale")
     parser.add_argument("--match", action="store_true",
                         help="also print the DSTG ffn_hidden that matches RoPE-NeoBERT's count")
@@ -411,11 +412,19 @@ def register(subparsers) -> None:
 
 
 def print_parameter_counts(args: argparse.Namespace) -> int:
+    # Late: the recipe (which imports the analysis) changes the ready configs per scale, and a user asking for a
+    # scale's counts means those it trains as well as the configs on disk.
+    from poslab.experiments.dstg import SCALES as RECIPE_SCALES, model_sections
+
     for scale in args.scale or SCALES:
-        print(f"{scale}:")
-        for name, count, ratio in parameter_table(scale):
-            print(f"  {name:<14}{count:>14,d}  {ratio:7.4f} x rope_neobert")
+        ready = {name: ready_config(name, scale) for name in READY}
+        for title, models in ((f"ready configs (configs/models/{scale}/)", ready),
+                              (f"as `poslab reproduce dstg --scale {scale}` trains them (at the ready configs' "
+                               "vocabulary; a run takes its tokenizer's)", model_sections(RECIPE_SCALES[scale]))):
+            print(f"{scale}, {title}:")
+            for name, count, ratio in parameter_table(models):
+                print(f"  {name:<14}{count:>14,d}  {ratio:7.4f} x rope_neobert")
         if args.match:
-            target = count_parameters(ready_config("rope_neobert", scale))
-            print(f"  dstg ffn_hidden matching rope_neobert: {match_ffn_hidden(ready_config('dstg', scale), target)}")
+            target = count_parameters(ready["rope_neobert"])
+            print(f"  ready dstg ffn_hidden matching rope_neobert: {match_ffn_hidden(ready['dstg'], target)}")
     return 0

@@ -218,6 +218,10 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     except (yaml.YAMLError, ValueError):  # ValueError: a date 2001-13-01, an integer of 5000 digits
         raise ConfigError(f"--set {key}: value '{cut(text)}' is not valid YAML") from None
     *parents, leaf = key.split(".")
+    # A whole section set to null trained on its defaults without a word (model.rp=null, deeper, is a setting)
+    require(parents or value is not None or not isinstance(raw.get(leaf), dict),
+            f"--set {key}=null would drop the config's whole '{key}' section; set its keys instead "
+            f"(--set {key}.KEY=VALUE)")
     node = raw
     for i, part in enumerate(parents):
         node = node.setdefault(part, {})
