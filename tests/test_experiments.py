@@ -930,3 +930,38 @@ def test_dstg_structure_beyond_position_compares_each_models_gain_over_position_
     held = structure_beyond_position(beyond(0.85))
     assert held.held and held.ours["dstg"] == pytest.approx(0.08) and held.ours["position alone"] == 0.77
     assert not structure_beyond_position(beyond(0.799)).held
+
+
+STEP_FAULTS = """
+import resource, sys, torch
+from poslab.experiments.common import keep_freed_memory
+if sys.argv[1] == "kept":
+    assert keep_freed_memory()
+def step():  # a training step's buffers: several sizes, all freed at its end
+    kept = [torch.empty(n << 16).fill_(1.0) for n in (1, 3, 8, 20, 40, 5, 64, 2)]
+    del kept
+step()
+start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+    step()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_workers_keep_freed_memory_instead_of_faulting_it_in_every_step(monkeypatch):
+    """By default glibc unmaps and trims what a step frees, and the next step faults the same pages in again
+    (12-17k page faults per step of the quick LMs); the reproduction's workers keep it."""
+    faults = {mode: int(subprocess.run([sys.executable, "-c", STEP_FAULTS, mode], capture_output=True, text=True,
+                                       check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout)
+              for mode in ("default", "kept")}
+    assert faults["kept"] < 1000 and 10 * faults["kept"] < faults["default"], faults
+    from poslab.experiments import common
+
+    calls = []
+    monkeypatch.setattr(common, "keep_freed_memory", lambda: calls.append("kept"))
+    monkeypatch.setattr(common, "_exit_with_parent", calls.append)
+    common._start_worker(7)
+    pool = common.worker_pool(1)
+    assert calls == ["kept", 7] and pool._initializer is common._start_worker  # what each worker runs first
+    pool.shutdown()
