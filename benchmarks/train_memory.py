@@ -49,7 +49,8 @@ def child(config_path: str, steps: int, kept: bool, profile: bool) -> dict:
         wall, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
         weights = hashlib.sha256((Path(tmp) / "run" / "checkpoints" / "last" / "model.safetensors").read_bytes())
     return {"wall_s": wall, "user_s": after.ru_utime - before.ru_utime, "sys_s": after.ru_stime - before.ru_stime,
-            "minor_faults_per_step": (after.ru_minflt - before.ru_minflt) / steps, "peak_rss_mib": after.ru_maxrss / 1024,
+            "minor_faults_per_step": (after.ru_minflt - before.ru_minflt) / steps,
+            "peak_rss_mib": after.ru_maxrss / 1024,
             "weights": weights.hexdigest()[:16]}
 
 
@@ -76,8 +77,8 @@ def main() -> None:
     rows = [measure(mode) for _ in range(args.rounds) for mode in ("default", "kept")]
     print(f"{'mode':<8} {'wall s':>7} {'user s':>7} {'sys s':>6} {'faults/step':>12} {'peak MiB':>9}  weights")
     for r in rows:
-        print(f"{r['mode']:<8} {r['wall_s']:7.1f} {r['user_s']:7.1f} {r['sys_s']:6.2f} {r['minor_faults_per_step']:12.0f} "
-              f"{r['peak_rss_mib']:9.0f}  {r['weights']}")
+        print(f"{r['mode']:<8} {r['wall_s']:7.1f} {r['user_s']:7.1f} {r['sys_s']:6.2f} "
+              f"{r['minor_faults_per_step']:12.0f} {r['peak_rss_mib']:9.0f}  {r['weights']}")
     for i in range(args.rounds):
         default, kept = rows[2 * i], rows[2 * i + 1]
         print(f"round {i + 1}: kept / default wall {kept['wall_s'] / default['wall_s']:.3f}, "

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -476,6 +477,14 @@ def test_a_relative_cache_dir_is_found_from_anywhere_and_never_prepared_in_the_w
     run = Run.load(project / "runs" / "lm")
     assert run.config.data.options["cache_dir"] == str(project / "data")
     assert len(run.batches(4, 4)) == 1 and list(elsewhere.iterdir()) == []
+    # The run's own parents come before the working directory, also through a link to the run directory
+    decoy = elsewhere / "data" / "other-corpus"
+    decoy.mkdir(parents=True)
+    (decoy / "manifest.json").write_text("{}")
+    (project / "runs" / "lm").rename(tmp_path / "lm")
+    (project / "runs" / "lm").symlink_to(tmp_path / "lm")
+    assert Run.load(project / "runs" / "lm").config.data.options["cache_dir"] == str(project / "data")
+    shutil.rmtree(elsewhere / "data")
     (project / "data").rename(tmp_path / "moved")  # a cache found nowhere is prepared under the run's analysis/
     run = Run.load(project / "runs" / "lm")
     assert run.config.data.options["cache_dir"] == str(project / "runs" / "lm" / "analysis" / "data")

@@ -544,6 +544,8 @@ def test_cli_prepare(tmp_path, capsys):
         run_prepare(parser.parse_args(["data", "prepare", str(config), "--out", str(tmp_path / "p"),
                                        "--set", "seq_len=1"]))
     assert not (tmp_path / "p").exists()
+    # data.masking=null is a data setting (no masking), not a run config's section dropped whole
+    assert load_data_config(str(config), ["data.masking=null"]).masking is None
     task = tmp_path / "task.yaml"
     task.write_text("data: {kind: task, name: addition}\n")
     with pytest.raises(ConfigError, match="is a task .kind: task., whose problems are drawn as it trains: there is "

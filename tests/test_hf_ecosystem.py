@@ -1,6 +1,7 @@
 """The models among Hugging Face tools: Trainer with gradient accumulation, resize_token_embeddings,
 from_pretrained overrides and attn_implementation, output_hidden_states / output_attentions / return_dict,
 and one-line refusals of the inputs the models do not take."""
+import json
 import tempfile
 
 import pytest
@@ -120,6 +121,15 @@ def test_resize_token_embeddings_resizes_both_ends_and_reloads(arch, tmp_path):
         torch.testing.assert_close(again(ids).logits, after)
 
 
+def test_a_refused_resize_leaves_the_model_as_it_was():
+    m = build("decoder", pad_token_id=39)
+    with pytest.raises(ConfigError, match="pad_token_id must lie in"):
+        m.resize_token_embeddings(32)
+    assert m.get_input_embeddings().num_embeddings == 40 == m.lm_head.out_features == m.config.vocab_size
+    m.resize_token_embeddings(41, pad_to_multiple_of=8)
+    assert m.get_input_embeddings().num_embeddings == 48 == m.config.spec.vocab_size
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_from_pretrained_overrides_reach_the_model(arch, tmp_path):
     build(arch).save_pretrained(tmp_path)
@@ -130,6 +140,26 @@ def test_from_pretrained_overrides_reach_the_model(arch, tmp_path):
         assert m.config.spec.max_seq_len == 16
     with pytest.raises(ConfigError, match=r"divi.* n_heads|n_heads .* must divide"):
         auto_class(arch).from_pretrained(tmp_path, num_attention_heads=5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_spec_dict_wins_over_the_copies_beside_it(arch, tmp_path):
+    """config.json holds each mirrored value twice; a hand-edited spec must not be undone by the stale top-level
+    copy, and a spec assigned whole is validated and refreshes the mirrors."""
+    m = build(arch)
+    m.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    field = m.config.SPEC_FIELD
+    saved[field]["n_layers"] = 1
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    again = auto_class(arch).from_pretrained(tmp_path)
+    assert len(again.model.blocks) == 1 and again.config.num_hidden_layers == 1
+    config = m.config
+    config.update({field: {**getattr(config, field), "n_layers": 3}})
+    assert config.num_hidden_layers == 3 and config.spec.n_layers == 3
+    with pytest.raises(ConfigError, match="must divide|divisible by n_heads"):
+        setattr(config, field, {**getattr(config, field), "n_heads": 5})
+    assert config.spec.n_heads == 2
 
 
 def test_derived_attributes_refuse_another_value():
@@ -149,6 +179,9 @@ def test_attn_implementation_sets_the_backend(arch, tmp_path):
     assert all(b.attn.backend == "eager" for b in m.model.blocks)
     with pytest.raises(ConfigError, match="attn_implementation 'flex_attention' is not available"):
         auto_class(arch).from_pretrained(tmp_path, attn_implementation="flex_attention")
+    with pytest.raises(ConfigError, match="built for attn_backend 'eager'; load it with from_pretrained"):
+        m.set_attn_implementation("sdpa")  # the blocks are built: the config must not say otherwise
+    assert m.config.spec.attn_backend == "eager"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -222,5 +255,7 @@ def test_inputs_embeds_is_refused_in_one_line(arch):
     m = build(arch)
     with pytest.raises(InputError, match="inputs_embeds is not supported"):
         m(inputs_embeds=torch.randn(1, 4, 32))
+    with pytest.raises(InputError, match="input_ids is required"):
+        m(attention_mask=torch.ones(1, 4))
     with pytest.raises(InputError, match="inputs_embeds is not supported"):
         m(torch.randint(0, 40, (1, 4)), inputs_embeds=torch.randn(1, 4, 32))

@@ -177,4 +177,3 @@ def check_attention_mask(mask: Any, batch: int, length: int) -> None:
         raise InputError(f"attention_mask must be (batch, length) = ({batch}, {length}) with 1 for real tokens and 0 "
                          f"for padding, got shape {tuple(mask.shape)}; the model makes its causal and padding masks "
                          "itself, so pass the 2-D padding mask (packed documents: position_ids)")
-

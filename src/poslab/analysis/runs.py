@@ -107,14 +107,17 @@ class Run:
 
 def _located(value: str, run_dir: Path, create: bool) -> str:
     """A relative data path of a run config (``cache_dir``, ``prepared``) is relative to where training ran,
-    which is not known here: the first of the current directory and the run's parent directories that holds
-    it. A cache found nowhere is prepared under DIR/analysis/ (``create``), not wherever analysis runs."""
+    which is not known here: the nearest parent of the run directory (as given, then with links resolved), then
+    the current directory, that holds prepared data under it. A cache found nowhere is prepared under
+    DIR/analysis/ (``create``), not wherever analysis runs."""
     path = Path(value)
     if path.is_absolute():
         return value
-    for base in (Path.cwd(), *run_dir.resolve().parents):
-        if (base / path).exists():
-            return str(base / path)
+    for base in (*run_dir.absolute().parents, *run_dir.resolve().parents, Path.cwd()):
+        candidate = base / path
+        prepared = [candidate] if not create else (list(candidate.iterdir()) if candidate.is_dir() else [])
+        if any((p / "manifest.json").is_file() for p in prepared):
+            return str(candidate)
     return str(run_dir / ANALYSIS_DIR / path) if create else value
 
 

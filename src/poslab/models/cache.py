@@ -71,4 +71,3 @@ class CaptureGroup:
     def record(self, name: str, value: torch.Tensor | None) -> None:
         for c in self.captures:
             c.record(name, value)
-

@@ -1,12 +1,14 @@
-"""Hugging Face packaging: a ``PreTrainedConfig`` and ``PreTrainedModel``s that the Auto classes load
+"""Hugging Face packaging: ``PreTrainedConfig``s and ``PreTrainedModel``s that the Auto classes load
 after ``import poslab`` (registration happens in ``poslab/models/__init__.py``).
 
-The poslab ``ModelConfig`` is the source of truth; ``PoslabConfig`` carries it as a dict (``poslab``),
-validates it on construction and mirrors the few attributes the Hugging Face machinery reads.
+The poslab ``ModelConfig`` (DSTG: ``DSTGConfig``) is the source of truth; ``SpecConfig`` carries it as a dict,
+validates it and mirrors the few attributes the Hugging Face machinery reads. The models take the keywords
+Hugging Face tools pass (hidden states, attentions, tuples, Trainer's token count) and refuse in one line
+the inputs they cannot honour.
 """
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +25,9 @@ from poslab.models.cache import ActivationCache, CaptureGroup
 from poslab.models.config import ModelConfig
 from poslab.positional import AttentionGeometry, InputPositional, LayerPositional, build_positional, owned_once
 
+if TYPE_CHECKING:
+    from poslab.models.dstg_config import DSTGConfig
+
 # Between transformers 5.17 and 5.24 the KV cache of model outputs and of generate()'s model inputs was
 # renamed from `past_key_values` to `cache` (the old keyword deprecated, not gone): speak the installed one's.
 CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -31,10 +36,13 @@ CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ 
 class SpecConfig(PreTrainedConfig):
     """A ``PreTrainedConfig`` carrying a poslab config dataclass as a dict (``SPEC_FIELD``), validated on
     construction, and mirroring the attributes the Hugging Face machinery reads (``MIRRORED``: Hugging Face
-    name -> spec field). The dict is the source of truth, so a mirrored attribute set afterwards --
-    ``from_pretrained(path, num_hidden_layers=2)``, ``resize_token_embeddings`` writing ``vocab_size`` --
-    is written back into it and validated (a ``ConfigError`` if the result is no valid model); ``FIXED``
-    attributes are derived and refuse another value."""
+    name -> spec field; ``FIXED``: derived, refusing another value).
+
+    The dict is the source of truth. At construction it wins over mirrored keyword arguments: config.json holds
+    both, and a stale or hand-edited top-level copy must not undo it. Set afterwards -- Hugging Face sets
+    ``from_pretrained(path, num_hidden_layers=2)``'s overrides on the built config, ``resize_token_embeddings``
+    writes ``vocab_size``, or the dict is assigned whole -- a value goes into the dict, which is validated as a
+    whole (a ``ConfigError`` if the result is no valid model) before the mirrors are refreshed from it."""
 
     SPEC_FIELD: ClassVar[str]
     SPEC_CLASS: ClassVar[type]
@@ -44,34 +52,46 @@ class SpecConfig(PreTrainedConfig):
     FIXED: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self, **kwargs) -> None:
-        spec = self.SPEC_CLASS.from_dict(getattr(self, self.SPEC_FIELD) or {})
-        object.__setattr__(self, self.SPEC_FIELD, spec.to_dict())
-        for name, field_name in self.MIRRORED.items():
-            object.__setattr__(self, name, getattr(spec, field_name))
-        for name, value in self.derived(spec).items():
-            object.__setattr__(self, name, value)
+        for name in self.MIRRORED:
+            kwargs.pop(name, None)
+        self._store(self.SPEC_CLASS.from_dict(getattr(self, self.SPEC_FIELD) or {}))
         super().__post_init__(**kwargs)
 
     def derived(self, spec) -> dict:
         """The FIXED attributes' values (and any other attribute set from the spec)."""
         return {}
 
+    def _store(self, spec) -> None:
+        object.__setattr__(self, self.SPEC_FIELD, spec.to_dict())
+        for name, field_name in self.MIRRORED.items():
+            object.__setattr__(self, name, getattr(spec, field_name))
+        for name, value in self.derived(spec).items():
+            object.__setattr__(self, name, value)
+
     def __setattr__(self, name: str, value) -> None:
         values = self.__dict__.get(self.SPEC_FIELD)
-        if values is not None and name in self.MIRRORED and values.get(self.MIRRORED[name]) != value:
-            self.change_spec(**{self.MIRRORED[name]: value})
-        elif values is not None and name in self.FIXED and getattr(self, name) != value:
+        if values is None:  # still being constructed: __post_init__ sets the spec and its mirrors
+            super().__setattr__(name, value)
+        elif name == self.SPEC_FIELD:
+            self._store(self.SPEC_CLASS.from_dict(value or {}))
+        elif name in self.MIRRORED:
+            if values.get(self.MIRRORED[name]) != value:
+                self.change_spec(**{self.MIRRORED[name]: value})
+        elif name in self.FIXED and getattr(self, name) != value:
             raise ConfigError(f"{name} of a {self.model_type} model follows from its '{self.SPEC_FIELD}' settings "
                               f"({getattr(self, name)!r}); change those instead of setting it to {value!r}")
-        super().__setattr__(name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def checked_spec(self, **changes) -> ModelConfig | DSTGConfig:
+        """The spec with ``changes``, validated as a whole (ConfigError if the result is invalid); not stored."""
+        return self.SPEC_CLASS.from_dict({**getattr(self, self.SPEC_FIELD), **changes})
 
     def change_spec(self, **changes) -> None:
-        """Write fields into the spec dict, validated as a whole (ConfigError if the result is invalid)."""
-        spec = self.SPEC_CLASS.from_dict({**getattr(self, self.SPEC_FIELD), **changes})
-        object.__setattr__(self, self.SPEC_FIELD, spec.to_dict())
+        self._store(self.checked_spec(**changes))
 
     @property
-    def spec(self):
+    def spec(self) -> ModelConfig | DSTGConfig:
         return self.SPEC_CLASS.from_dict(getattr(self, self.SPEC_FIELD))
 
 
@@ -117,9 +137,13 @@ def collected_outputs(own: ActivationCache | None, n_layers: int) -> dict:
 
 
 def require_input_ids(input_ids, inputs_embeds) -> None:
-    if inputs_embeds is not None or input_ids is None:
+    """InputError unless the input is token ids: the models embed them themselves (a scheme may add its
+    position table there), so they take no ``inputs_embeds``."""
+    if inputs_embeds is not None:
         raise InputError("inputs_embeds is not supported: poslab models embed input_ids themselves (a scheme may "
                          "add its position table there); pass input_ids")
+    if input_ids is None:
+        raise InputError("input_ids is required: pass the token ids (batch, n)")
 
 
 def scored_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
@@ -151,9 +175,28 @@ class PoslabPreTrainedModel(PreTrainedModel):
                 raise ConfigError(f"attn_implementation '{attn_implementation}' is not available for poslab models: "
                                   "use 'eager' or 'sdpa', or set the model config's attn_backend (auto, triton, "
                                   "sdpa, eager)")
+            if not is_init_check:  # set_attn_implementation on a built model: its blocks keep their backend
+                raise ConfigError(f"this model's attention was built for attn_backend '{backend}'; load it with "
+                                  f"from_pretrained(path, attn_implementation='{attn_implementation}') instead")
             self.config.change_spec(attn_backend=attn_implementation)
             current = attn_implementation
         return current
+
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        """Hugging Face guesses from the module's source, differently for DSTG (silently ignoring the request);
+        every poslab model answers set_attn_implementation through the check above."""
+        return True
+
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True) -> nn.Embedding:
+        """Hugging Face's, with the new vocabulary checked against the config (e.g. its pad_token_id) before a
+        weight changes: it writes config.vocab_size last, where a refusal left the model half-resized."""
+        size = self.get_input_embeddings().num_embeddings if new_num_tokens is None else new_num_tokens
+        if pad_to_multiple_of is not None:
+            size = -(-size // pad_to_multiple_of) * pad_to_multiple_of
+        self.config.checked_spec(vocab_size=size)
+        return super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
 
     def _init_weights(self, module: nn.Module) -> None:
         spec = self.config.spec

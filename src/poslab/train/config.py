@@ -209,6 +209,10 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     return RunConfig.from_dict(raw)
 
 
+# A run config's sections (besides its seed), which `--set SECTION=null` would drop whole
+SECTIONS = ("model", "data", "train")
+
+
 def apply_override(raw: dict[str, Any], item: str) -> None:
     """Set ``a.b.c=value`` in a nested mapping; the value is parsed as YAML (``1e-3``, ``null``, ``[1, 2]``)."""
     key, sep, text = item.partition("=")
@@ -219,7 +223,7 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         raise ConfigError(f"--set {key}: value '{cut(text)}' is not valid YAML") from None
     *parents, leaf = key.split(".")
     # A whole section set to null trained on its defaults without a word (model.rp=null, deeper, is a setting)
-    require(parents or value is not None or not isinstance(raw.get(leaf), dict),
+    require(parents or value is not None or leaf not in SECTIONS or not isinstance(raw.get(leaf), dict),
             f"--set {key}=null would drop the config's whole '{key}' section; set its keys instead "
             f"(--set {key}.KEY=VALUE)")
     node = raw
