@@ -4,6 +4,8 @@ Both run through the fastest path poslab has here: on CPU, PoPE in its Cartesian
 (v zero-padded to 2d so the fused kernel stays in use) and RoPE through SDPA; on CUDA with Triton,
 PoPE through the fused kernel. Also reports the alternatives we rejected, so the choice stays
 measured: PoPE with unpadded v (SDPA's math fallback). Prints ratios to RoPE measured in the same run.
+Last, a trained additive bias (DSTG's and T5's relative biases need its gradient): poslab's ``attend``
+against SDPA called with the same bias, which on the CPU takes its math path (``attention.core._sdpa_math``).
 
     python benchmarks/attention.py [--n 512 2048] [--repeats 5]
 """
@@ -53,6 +55,15 @@ def pope_unpadded_step(q, k, v, delta, causal):
     F.scaled_dot_product_attention(q2, k2, v, is_causal=causal, scale=1 / math.sqrt(q.shape[-1])).sum().backward()
 
 
+def biased_step(q, k, v, bias, ours):
+    scale = 1 / math.sqrt(q.shape[-1])
+    if ours:
+        out, _, _ = attend({"c": (q, k)}, v, scale=scale, causal=False, biases={"rp": bias})
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+    out.sum().backward()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--n", type=int, nargs="+", default=[512, 2048])
@@ -76,6 +87,13 @@ def main() -> None:
         t_pope = timed(lambda: pope_step(q, k, v, delta, args.causal), args.repeats)
         t_unpadded = timed(lambda: pope_unpadded_step(q, k, v, delta, args.causal), args.repeats)
         print(f"{n:<6d} {t_rope:7.3f}  {t_pope:7.3f}  {t_pope / t_rope:9.2f}x  {t_unpadded / t_rope:9.2f}x")
+    print("n      sdpa_s   ours_s   ours/sdpa   (trained bias, bidirectional)")
+    for n in args.n:
+        q, k, v = inputs(args.batch, args.heads, n, args.head_dim, device)
+        bias = torch.randn(1, args.heads, n, n, device=device, requires_grad=True)
+        t_sdpa = timed(lambda: biased_step(q, k, v, bias, False), args.repeats)
+        t_ours = timed(lambda: biased_step(q, k, v, bias, True), args.repeats)
+        print(f"{n:<6d} {t_sdpa:7.3f}  {t_ours:7.3f}  {t_ours / t_sdpa:9.2f}x")
 
 
 if __name__ == "__main__":

@@ -354,3 +354,48 @@ def test_token_ids_outside_the_vocabulary_are_input_errors(arch):
                                                        f"got ids in {seen}")):
             net(torch.tensor([ids]))
     assert net(torch.tensor([[0, 29]])).logits.shape[-1] == 30  # the ends of the range are ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cpu_math_path_is_sdpa_bit_for_bit(dtype):
+    """A trained bias (DSTG's, T5's) sends SDPA to its math path on the CPU; attend computes that path itself
+    without _safe_softmax's guard. Same output and every gradient, to the bit, with padding and a scale whose
+    square root is inexact (1 / sqrt(24))."""
+    from poslab.attention.core import attend, mask_bias
+
+    gen = torch.Generator().manual_seed(0)
+    b, h, n, d = 3, 2, 17, 24
+    q, k, v = (torch.randn(b, h, n, d, generator=gen, dtype=dtype, requires_grad=True) for _ in range(3))
+    bias = torch.randn(1, h, n, n, generator=gen, dtype=dtype, requires_grad=True)
+    padding = torch.ones(b, n, dtype=torch.long)
+    padding[0, -5:] = 0
+    grad = torch.randn(b, h, n, d, generator=gen, dtype=dtype)
+    mask = mask_bias(n, n, causal=False, key_padding=padding, device="cpu").to(dtype)
+
+    def both(run):
+        for t in (q, k, v, bias):
+            t.grad = None
+        out = run()
+        out.backward(grad)
+        return [out.detach(), *(t.grad.clone() for t in (q, k, v, bias))]
+
+    ours = both(lambda: attend({"qk": (q, k)}, v, scale=d ** -0.5, causal=False, biases={"rp": bias},
+                               key_padding=padding)[0])
+    sdpa = both(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias + mask,
+                                                                         scale=d ** -0.5))
+    assert all(torch.equal(x, y) for x, y in zip(ours, sdpa))
+
+
+def test_causal_loss_shifts_the_labels_with_the_same_loss_and_gradient_as_shifting_the_logits():
+    m = poslab.build_model({"arch": "decoder", "vocab_size": 23, "d_model": 16, "n_layers": 1, "n_heads": 2})
+    ids = torch.randint(0, 23, (3, 9), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[0, :4] = -100
+    out = m(ids, labels=labels)
+    out.logits.retain_grad()
+    out.loss.backward()
+    logits = out.logits.detach().requires_grad_()
+    expected = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+    expected.backward()
+    torch.testing.assert_close(out.loss, expected, rtol=1e-6, atol=0)
+    assert torch.equal(out.logits.grad, logits.grad)

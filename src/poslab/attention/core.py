@@ -8,6 +8,8 @@ them with the attention probabilities, which analysis needs. Both compute the sa
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -84,8 +86,23 @@ def attend(
     math_path = additive is not None and additive.requires_grad and torch.is_grad_enabled()
     if d_v < q.shape[-1] and not math_path:
         v_all = F.pad(v_all, (0, q.shape[-1] - d_v))
-    out = F.scaled_dot_product_attention(q, k, v_all, attn_mask=additive, is_causal=use_is_causal, scale=scale)
+    if math_path and q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64):
+        out = _sdpa_math(q, k, v_all, additive, scale)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v_all, attn_mask=additive, is_causal=use_is_causal, scale=scale)
     return out[..., :d_v], None, None
+
+
+def _sdpa_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive: torch.Tensor, scale: float
+               ) -> torch.Tensor:
+    """SDPA's math path as torch computes it for fp32/fp64 on the CPU (sqrt(scale) on q and on k), with a
+    plain softmax where torch calls ``_safe_softmax``. Its guard against wholly masked rows costs a third of
+    the call forward and backward (DSTG's and T5's trained biases take this path), and ``mask_bias`` never
+    masks a whole row, so the result and every gradient are the same bit for bit
+    (tests/test_models.py::test_cpu_math_path_is_sdpa_bit_for_bit). q, k (b, h, n, d), v (b, h, m, d_v),
+    additive (b or 1, h, n, m) -> (b, h, n, d_v)."""
+    root = math.sqrt(scale)
+    return torch.softmax((q * root) @ (k.transpose(-2, -1) * root) + additive, dim=-1) @ v
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:

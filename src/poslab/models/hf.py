@@ -297,7 +297,10 @@ class PoslabForCausalLM(PoslabPreTrainedModel, GenerationMixin):
         out = self.model(input_ids, attention_mask, position_ids, capture, cache, use_cache=use_cache, return_dict=True,
                          **kwargs)
         logits = self.lm_head(out.last_hidden_state)
-        loss = None if labels is None else scored_loss(logits[:, :-1], labels[:, 1:], num_items_in_batch)
+        # Shift the labels, not the logits: a slice of the logits would be copied, and its gradient zero-filled
+        # and copied back. The loss and the gradients are the same (tests/test_models.py).
+        loss = None if labels is None else scored_loss(logits, F.pad(labels[:, 1:], (0, 1), value=-100),
+                                                       num_items_in_batch)
         return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states,
                                       attentions=out.attentions, **{CACHE_NAME: getattr(out, CACHE_NAME)})
 
