@@ -70,9 +70,7 @@ def attend(
         probs = torch.softmax(logits, dim=-1)
         out = torch.cat([(probs.to(x.dtype) @ x) for x in vs], dim=-1)
         return out, probs, terms
-    q = torch.cat([q for q, _ in qk.values()], dim=-1)
-    k = torch.cat([k for _, k in qk.values()], dim=-1)
-    v_all = torch.cat(vs, dim=-1)
+    q, k, v_all = (_joined(parts) for parts in ([q for q, _ in qk.values()], [k for _, k in qk.values()], vs))
     additive = None
     for b in biases.values():
         additive = b.to(q.dtype) if additive is None else additive + b.to(q.dtype)
@@ -103,6 +101,11 @@ def _sdpa_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive: torc
     additive (b or 1, h, n, m) -> (b, h, n, d_v)."""
     root = math.sqrt(scale)
     return torch.softmax((q * root) @ (k.transpose(-2, -1) * root) + additive, dim=-1) @ v
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts side by side along the last dim; one part as it is (``torch.cat`` would copy it)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:
