@@ -386,3 +386,26 @@ def test_recipe_model_sections_apply_widths_and_stay_parameter_matched(scale):
     for name, values in models.items():
         own = spec.get("dstg_overrides" if name == "dstg" else "baseline_overrides", {})
         assert {**spec["model_overrides"], **own}.items() <= values.items()
+
+
+def test_random_offset_takes_every_value_from_zero_to_the_maximum():
+    """The training offset is uniform on [0, position_offset_max], both ends included (the last rows of the
+    table, reserved for it, are reachable)."""
+    m = model(position_offset_max=7, max_seq_len=16).train()
+    torch.manual_seed(0)
+    offsets = m.model.positions(torch.zeros(400, 3, dtype=torch.long))[:, 0] - m.config.spec.position_start
+    assert set(offsets.tolist()) == set(range(8))
+
+
+def test_relative_bias_uses_bidirectional_t5_buckets():
+    """DSTG is an encoder: its RP term tells a key before the query from one after it (papers/dstg.md), with
+    Hugging Face T5's bidirectional buckets over k - q."""
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    m = model()
+    rp = m.model.blocks[0].attn.rp
+    pos = torch.arange(20)[None]
+    buckets = T5Attention._relative_position_bucket(pos[0][None, :] - pos[0][:, None], True, 8, 16)  # (q, k)
+    expected = rp.weight[buckets].permute(2, 0, 1)[None]
+    torch.testing.assert_close(rp.logit_bias(pos, pos).expand_as(expected), expected)
+    assert not torch.equal(expected[0, :, 3, 5], expected[0, :, 5, 3])

@@ -399,3 +399,49 @@ def test_causal_loss_shifts_the_labels_with_the_same_loss_and_gradient_as_shifti
     expected.backward()
     torch.testing.assert_close(out.loss, expected, rtol=1e-6, atol=0)
     assert torch.equal(out.logits.grad, logits.grad)
+
+
+@pytest.mark.parametrize("scheme", ["alibi", "t5", "rope"])
+def test_decoding_after_a_crop_or_without_held_positions_matches_the_full_forward(scheme):
+    """Two ways the cached keys' positions are found: a cache cut back (``crop``, speculative decoding) keeps
+    the positions of its first keys, and a cache that holds none (filled by other code) is taken to end just
+    before the new token, consecutively."""
+    from transformers import DynamicCache
+
+    m = model("decoder", scheme)
+    ids = torch.randint(0, 30, (2, 7), generator=torch.Generator().manual_seed(3))
+    jumps = torch.tensor([[0, 1, 2, 9, 10, 11, 12], [4, 5, 30, 31, 32, 33, 34]])
+    with torch.no_grad():
+        cache = DynamicCache()
+        m(ids[:, :6], position_ids=jumps[:, :6], cache=cache)
+        cache.crop(-2)  # keep the first 4 keys
+        assert cache.get_seq_length() == 4
+        cropped = m(ids[:, 4:5], position_ids=jumps[:, 4:5], cache=cache).logits
+        full = m(ids[:, :5], position_ids=jumps[:, :5]).logits[:, -1:]
+        torch.testing.assert_close(cropped, full, atol=1e-5, rtol=1e-4)
+
+        start = torch.tensor([[7], [20]])
+        consecutive = start + torch.arange(6)
+        cache = DynamicCache()
+        m(ids[:, :5], position_ids=consecutive[:, :5], cache=cache)
+        del cache.poslab_key_positions
+        fresh = m(ids[:, 5:6], position_ids=consecutive[:, 5:6], cache=cache).logits
+        full = m(ids[:, :6], position_ids=consecutive).logits[:, -1:]
+        torch.testing.assert_close(fresh, full, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["decoder", "encoder"])
+def test_a_block_is_pre_norm_attention_then_pre_norm_mlp(arch):
+    """x + attn(norm1(x)), then h + mlp(norm2(h)): each sub-layer reads its own normed input, the residual
+    stream itself is never normed (checked with non-trivial norm weights)."""
+    m = model(arch, "rope")
+    block = m.model.blocks[0]
+    with torch.no_grad():
+        for norm in (block.attn_norm, block.mlp_norm):
+            norm.weight.copy_(torch.rand_like(norm.weight) + 0.5)
+    x = torch.randn(2, 9, 32) * 3
+    pos = torch.arange(9)[None]
+    with torch.no_grad():
+        h = x + block.attn(block.attn_norm(x), pos)
+        expected = h + block.mlp(block.mlp_norm(h))
+        torch.testing.assert_close(block(x, pos, None), expected)

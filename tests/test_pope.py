@@ -187,3 +187,23 @@ def test_cuda_auto_backend_runs_the_fused_kernel_like_sdpa(monkeypatch, precisio
     for name, grad in sdpa_grads.items():
         error = (fused_grads[name] - grad).norm() / grad.norm().clamp_min(1e-12)
         assert error < tol, f"{name}: relative gradient error {error:.2e}"
+
+
+@pytest.mark.parametrize("d,base", [(8, 10000.0), (6, 500.0)])
+def test_frequencies_are_one_per_component_base_to_minus_c_over_d(d, base):
+    """theta_c = base^(-c/d), c = 0..d-1 (papers/pope.md: d frequencies, not RoPE's d/2 pairs at base^(-2i/d)),
+    computed here by hand; a model's layer and the score use exactly these."""
+    expected = torch.tensor([base ** (-c / d) for c in range(d)])
+    torch.testing.assert_close(pope_frequencies(d, base), expected, rtol=1e-6, atol=0)
+    # The score of one component between a query at t and a key at s: mu_q mu_k cos((s - t) theta_c + delta_c).
+    q, k = torch.full((1, 1, 1, d), -30.0), torch.full((1, 1, 1, d), -30.0)
+    q[..., 1], k[..., 1] = 2.0, 3.0  # softplus(-30) ~ 1e-13: only component 1 contributes
+    delta = torch.zeros(1, d)
+    delta[0, 1] = -0.4
+    got = pope_scores(q.double(), k.double(), delta, base=base, q_positions=torch.tensor([2]),
+                      k_positions=torch.tensor([7]))
+    sp = lambda x: math.log1p(math.exp(x))  # noqa: E731
+    assert got.item() == pytest.approx(sp(2.0) * sp(3.0) * math.cos(5 * base ** (-1 / d) - 0.4), rel=1e-6)
+    layer = poslab.build_model({"arch": "decoder", "vocab_size": 10, "d_model": 2 * d, "n_heads": 2, "n_layers": 1,
+                                "positional": {"name": "pope", "options": {"base": base}}}).model.layer_positional[0]
+    torch.testing.assert_close(layer.theta, expected, rtol=1e-6, atol=0)

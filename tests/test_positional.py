@@ -254,3 +254,57 @@ def test_an_encoders_t5_table_may_end_where_a_decoders_could_not():
     with pytest.raises(ConfigError, match="exact range \\(16\\) of 32 causal buckets"):
         build_positional(PositionalConfig("t5", {"num_buckets": 32, "max_distance": 16}),
                          dataclasses.replace(geometry, causal=True))
+
+
+# --- formulas the parity tests above leave unexercised (mutation testing) ---------------------------------
+
+@pytest.mark.parametrize("original_max_len,base,truncate", [
+    (131072, 10000.0, True),   # beta_slow's correction dim (34.5) passes the 32 frequencies: clamped at dim - 1
+    (256, 20.0, True),         # a small base does the same at a short length
+    (256, 10000.0, False),     # an untruncated (fractional) ramp
+    (100, 500000.0, False),
+])
+def test_yarn_ramp_bounds_match_hugging_face_past_the_frequencies_and_untruncated(original_max_len, base, truncate):
+    """YaRN's correction range: high is clamped to rotary_dim - 1 (not to the last frequency index) and
+    ``truncate: false`` keeps the fractional bounds, both as Hugging Face computes them."""
+    opts = RoPEOptions(scaling="yarn", factor=4.0, base=base, truncate=truncate, original_max_len=original_max_len)
+    ours, our_scale = rope_inv_freq(opts, HEAD_DIM, original_max_len)
+    theirs, their_scale = hf_rope("yarn", rope_theta=base, factor=4.0, truncate=truncate,
+                                  original_max_position_embeddings=original_max_len)
+    torch.testing.assert_close(ours, theirs.float(), rtol=1e-6, atol=0)
+    assert our_scale == pytest.approx(their_scale)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_alibi_bias_is_minus_slope_times_distance(causal):
+    """bias[h, q, k] = -m_h |k - q| (Press et al.), with Bloom's slopes: a penalty growing with distance on both
+    sides of the diagonal, at offset positions too."""
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+    heads = 6
+    _, layers = build_positional(PositionalConfig("alibi"), AttentionGeometry(1, heads, 8, 8 * heads, 64, causal))
+    pos = torch.tensor([[3, 4, 5, 6, 7, 8, 9]])
+    bias = layers[0].logit_bias(pos, pos)[0]
+    slopes = build_alibi_tensor(torch.ones(1, 2), heads, torch.float32)[:, 0, 1]
+    for h, i, j in [(0, 6, 0), (1, 5, 2), (5, 0, 6), (3, 2, 4), (2, 4, 4)]:
+        assert bias[h, i, j].item() == pytest.approx(-slopes[h].item() * abs(j - i), rel=1e-6, abs=1e-7)
+    assert (bias <= 0).all()
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_t5_bias_matches_hugging_face_compute_bias(bidirectional):
+    """The whole bias, not only the buckets: T5's compute_bias with the same table puts bucket(k - q)'s row of
+    head h at [h, q, k]."""
+    from transformers import T5Config
+
+    n_heads, n = 3, 40
+    opts = {"num_buckets": 16, "max_distance": 32, "bidirectional": bidirectional, "init_std": 1.0}
+    _, layers = build_positional(PositionalConfig("t5", opts), AttentionGeometry(1, n_heads, 8, 8 * n_heads, 64, True))
+    ours = layers[0]
+    t5 = T5Attention(T5Config(num_heads=n_heads, d_model=8 * n_heads, d_kv=8, relative_attention_num_buckets=16,
+                              relative_attention_max_distance=32, is_decoder=not bidirectional),
+                     has_relative_attention_bias=True)
+    with torch.no_grad():
+        t5.relative_attention_bias.weight.copy_(ours.weight)
+    pos = torch.arange(n)[None]
+    torch.testing.assert_close(ours.logit_bias(pos, pos), t5.compute_bias(n, n))
