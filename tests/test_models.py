@@ -445,3 +445,18 @@ def test_a_block_is_pre_norm_attention_then_pre_norm_mlp(arch):
         h = x + block.attn(block.attn_norm(x), pos)
         expected = h + block.mlp(block.mlp_norm(h))
         torch.testing.assert_close(block(x, pos, None), expected)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 9), extra=st.integers(0, 4), causal=st.booleans(), data=st.data())
+def test_mask_bias_never_masks_a_whole_row(n, extra, causal, data):
+    """The CPU math path's plain softmax (attention.core._sdpa_math) relies on it: a row of -inf would be NaN
+    there, where SDPA's _safe_softmax gives zeros. Holds for any padding, even a row of padding only, and
+    while decoding (m keys, the queries the last n)."""
+    from poslab.attention.core import mask_bias
+
+    m = n + extra
+    padding = torch.tensor(data.draw(st.lists(st.lists(st.integers(0, 1), min_size=m, max_size=m), min_size=1,
+                                              max_size=3)))
+    mask = mask_bias(n, m, causal=causal, key_padding=padding, device="cpu", q_offset=m - n)
+    assert torch.isfinite(mask).any(dim=-1).all()
