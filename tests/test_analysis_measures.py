@@ -213,3 +213,15 @@ def test_frequency_sums_without_a_mask_count_every_head_and_token():
     assert count == 2 * 3 * 4 and torch.allclose(total, norms.double().sum((0, 1, 2)))
     masked_total, masked_count = frequency_sums(norms, torch.ones(2, 4, dtype=torch.long))
     assert masked_count == count and torch.allclose(masked_total, total)
+
+
+def test_causal_head_variance_reads_each_querys_own_and_earlier_keys():
+    """Query q of a causal head sees keys 0..q (itself included), never later ones: the sums match a direct
+    count over those keys, with query 0 (a single key) skipped."""
+    torch.manual_seed(2)
+    n = 5
+    logits = torch.randn(1, 1, n, n)
+    sums, rows = term_variances({"content": logits}, allowed_keys(n, causal=True))
+    expected = sum(logits[0, 0, q, :q + 1].double().var(unbiased=False).item() for q in range(1, n))
+    assert sums[0, 0].item() == pytest.approx(expected) and rows.item() == n - 1
+    assert allowed_keys(3, causal=True)[0, 0].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
