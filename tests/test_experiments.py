@@ -992,13 +992,13 @@ def test_frequency_claims_read_entropy_and_fastest_quarter_of_layers_after_the_f
     from poslab.experiments import frequencies
 
     rows = {"pope": [[1, 0, 0, 0], [1, 1, 1, 1], [2, 2, 1, 1]], "rope": [[1, 1, 1, 1], [4, 1, 0, 0], [1, 0, 0, 0]]}
-    shares = {"pope": [0.9, 0.3, 0.25], "rope": [0.1, 0.5, 0.4]}
+    shares = {"pope": {"q": [0.9, 0.3, 0.25], "k": [0.5, 0.1, 0.2]}, "rope": {"q": [0.1, 0.5, 0.4], "k": [0.3, 0.6, 0.5]}}
 
     def analysis(run, opts):
         q = [[float(v) for v in row] for row in rows[run]]
         k = [[2.0 * v for v in row] for row in q]  # the same profile at another scale: the same entropy
         return {"q": q, "k": k, "figures": [],
-                "summary": {w: {"high_frequency_share": shares[run]} for w in ("q", "k")}}
+                "summary": {w: {"high_frequency_share": shares[run][w]} for w in ("q", "k")}}
 
     monkeypatch.setattr(frequencies, "ensure_runs", lambda *args, **kwargs: {})
     monkeypatch.setattr(frequencies.Run, "load", staticmethod(lambda path, device=None: path.name))
@@ -1012,7 +1012,7 @@ def test_frequency_claims_read_entropy_and_fastest_quarter_of_layers_after_the_f
     expected = {s: (entropy(r[1]) + entropy(r[2])) / 2 for s, r in rows.items()}  # layers 2 and 3 only
     assert breadth.ours == pytest.approx(expected, abs=1e-5)
     assert expected["pope"] - expected["rope"] > 0.05 and breadth.held
-    assert high.ours == pytest.approx({"pope": 0.275, "rope": 0.45}) and not high.held
+    assert high.ours == pytest.approx({"pope": 0.2125, "rope": 0.5}) and not high.held  # q and k, layers 2 and 3
     assert result.tables[0]["rows"][0][1:] == pytest.approx([0.0, 1.0])  # layer 1 shown, not judged
     assert frequencies.spread([3.0, 3.0, 0.0, 0.0]) == pytest.approx(0.5)
 
@@ -1174,3 +1174,58 @@ def test_extrapolation_claims_read_loss_ratios_to_1x_and_to_the_fine_tune_length
     assert text.held and text.ours == {"32 pope": 2.0, "32 rope": 2.1, "48 pope": 1.9, "48 rope": 1.95}
     assert flat_sizes.ours == pytest.approx({"32": 1.1, "48": 1.05}) and flat_sizes.held
     assert larger.ours == pytest.approx({"48": 1.6, "32": 1.5}) and larger.held
+
+
+def test_dstg_claims_average_spectra_seeds_and_read_the_head_counts_at_their_bounds(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from poslab.analysis import plots
+    from poslab.experiments import dstg
+
+    # per run: (top-2 share, low-bin share, top-2 share at DSTG's width); seed 0 alone would fail the first claim
+    spectra = {"dstg": (0.65, 0.85, 0.9), "dstg-s1": (0.95, 0.75, 0.9),
+               "ap_neobert": (0.5, 0.3, 0.75), "ap_neobert-s1": (0.7, 0.3, 0.65)}
+    last = {"position": {"dstg": 0.86, "ap_neobert": 0.8, "rope_neobert": 0.7, "rp_neobert": 0.6},
+            "sentence_index": {"dstg": 0.7, "ap_neobert": 0.69, "rope_neobert": 0.5, "rp_neobert": 0.4}}
+
+    def probes(run, opts):
+        name = run.name
+        out = {t: {"embed": 0.95 if (t, name) == ("position", "dstg") else 0.1, "blocks.0.resid_post": 0.2,
+                   "blocks.1.resid_post": last[t][name]} for t in last}
+        intra = {"dstg": 0.5, "ap_neobert": 0.6, "rope_neobert": 0.55, "rp_neobert": 0.52}[name]
+        out["pos_in_sentence"] = {"embed": 0.1, "blocks.0.resid_post": intra, "blocks.1.resid_post": 0.3}
+        if name == "dstg":  # the whole state tells more than the sem stream the claim reads
+            out["pos_in_sentence"] = {"embed": 0.1, "blocks.0.resid_post": 0.9, "blocks.1.resid_post": 0.9,
+                                      "embed.sem": 0.8, "blocks.0.resid_post.sem": 0.5,
+                                      "blocks.1.resid_post.sem": 0.4, "blocks.1.resid_post.ap": 0.1}
+            for t in last:
+                out[t].update({f"{layer}.{s}": 0.1 for layer in ("embed", "blocks.1.resid_post") for s in ("ap", "sem")})
+        gain = 0.1 if name == "dstg" else 0.05
+        return out, {"position alone": 0.6, "last layer + position": 0.6 + gain}
+
+    def load(path, device=None):
+        table = torch.full((40, 16), spectra.get(path.name, (0, 0, 0))[2], dtype=torch.float64)
+        model = SimpleNamespace(table=table, config=SimpleNamespace(num_hidden_layers=2), num_parameters=lambda: 1)
+        return SimpleNamespace(name=path.name, out_dir=path, model=model)
+
+    monkeypatch.setattr(dstg, "ensure_runs", lambda configs, *args, **kwargs: {name: {} for name in configs})
+    monkeypatch.setattr(dstg.Run, "load", staticmethod(load))
+    monkeypatch.setattr(dstg, "reached_rows", lambda run, opts: 32)
+    monkeypatch.setattr(dstg, "ap_spectrum", lambda run, rows: spectra[run.name][:2])
+    monkeypatch.setattr(dstg, "spectra_analysis", lambda run, opts: None)
+    monkeypatch.setattr(dstg, "heads_analysis", lambda run, opts: {
+        "counts": {"structure": 3, "semantic": 5, "mixed": 2}, "figures": []})
+    monkeypatch.setattr(dstg, "structure_probes", probes)
+    monkeypatch.setattr(dstg, "ap_table", lambda model: model.table)
+    monkeypatch.setattr(dstg, "top2_at_width", lambda table, width: float(table[0, 0]) if width == 16 else math.nan)
+    monkeypatch.setattr(plots, "bars", lambda path, *args, **kwargs: path)
+    result = dstg.run("smoke", tmp_path / "dstg", log=lambda _: None)
+    top2, at_width, low_bins, segment, beyond, token, intra, heads = result.claims
+    assert top2.ours == pytest.approx({"dstg": 0.8, "ap_neobert": 0.6}) and top2.held  # means over seeds 0, 1
+    assert at_width.ours == pytest.approx({"dstg": 0.9, "ap_neobert at width 16": 0.7}) and at_width.held
+    assert low_bins.ours == pytest.approx(0.8) and low_bins.held
+    assert segment.ours["dstg best"] == 0.7 and segment.held
+    assert beyond.ours["dstg"] == pytest.approx(0.1) and beyond.held
+    assert token.ours["dstg best"] == 0.95 and token.held  # 0.86 >= 0.9 x the embedding's 0.95
+    assert intra.ours == {"dstg": 0.5, "ap_neobert": 0.6, "rope_neobert": 0.55, "rp_neobert": 0.52} and intra.held
+    assert heads.ours == {"structure": 3, "semantic": 5, "mixed": 2} and heads.held  # 8 of 10 heads: at 80%
