@@ -1067,6 +1067,7 @@ def test_adjacency_claims_average_seeds_and_judge_every_task_and_the_worse_init(
              ("indexing", 0): (0.8, 0.7), ("indexing", 1): (0.8, 0.72),  # trained 0.71: fails "every task"
              ("ordering", 0): (0.9, 0.95), ("ordering", 1): (0.9, 0.95)}
     embed = {0: (0.45, 0.5), 1: (0.55, 0.62)}  # (init, trained): trained mean 0.56
+    shift = {"addition": 0.0, "reversal": -0.1, "indexing": 0.1, "ordering": 0.0}  # init: task means 0.4-0.6
 
     class FakeRun:
         def __init__(self, *args):
@@ -1082,7 +1083,8 @@ def test_adjacency_claims_average_seeds_and_judge_every_task_and_the_worse_init(
             return []
 
     def analysis(run, opts):
-        scores = {label: {first: {"mean": layer[run.task, run.seed][i]}, "embed": {"mean": embed[run.seed][i]}}
+        scores = {label: {first: {"mean": layer[run.task, run.seed][i]},
+                          "embed": {"mean": embed[run.seed][i] + (shift[run.task] if label == "init" else 0.0)}}
                   for i, label in enumerate(("init", "trained"))}
         return {"models": scores, "figures": []}
 
@@ -1118,6 +1120,7 @@ def test_adjacency_claims_average_seeds_and_judge_every_task_and_the_worse_init(
 
     embed_init = c["score at the token-embedding layer is ~0.5"]
     assert embed_init.ours == pytest.approx(0.5) and embed_init.held  # mean of the seeds, then of the tasks
+    assert result.details["embed"] == pytest.approx({"addition": 0.5, "reversal": 0.4, "indexing": 0.6, "ordering": 0.5})
     embed_trained = c["score at the token-embedding layer stays ~0.5 after training"]
     assert embed_trained.ours == pytest.approx({t: 0.56 for t in adjacency.TASKS}) and embed_trained.held
     at_init = c["score of the first causal attention layer's output >= 0.8 at initialisation"]
