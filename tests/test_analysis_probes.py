@@ -222,3 +222,62 @@ def test_cli_probe_targets_count_document_indices_from_the_window():
     assert targets["pos_in_document"].tolist() == [[-1, 0, 1, 2, 0, 1, -1]]
     # within a sentence: known where the sentence starts in view (doc 7's sentence 3 began before the window)
     assert targets["pos_in_sentence"].tolist() == [[-1, -1, -1, 0, 0, 1, -1]]
+
+
+def test_mlp_probe_scores_its_predictions_by_independent_formulas(monkeypatch):
+    """With the network fixed (a known linear map, no training) the probe's predictions are known: features
+    standardised by the training + validation tokens, outputs de-standardised by their targets. NRMSE is the
+    test RMSE over the test targets' own spread and R is scipy's Pearson; the test targets are made to spread
+    and sit unlike the fitted ones, so normalising by the wrong set, leaking test tokens into the fit or the
+    standardisation, or an uncentred correlation all show."""
+    from scipy import stats
+
+    import poslab.analysis.probes as probes
+
+    g = torch.Generator().manual_seed(7)
+    S, n, d = 12, 5, 3
+    x = torch.randn(S, n, d, generator=g) * torch.tensor([1.0, 4.0, 0.5]) + torch.tensor([3.0, -2.0, 1.0])
+    split = split_sequences(S, seed=2)
+    y = torch.rand(S, n, generator=g) * 10
+    y[split.test] = y[split.test] * 3 + 5
+    mask = torch.ones(S, n, dtype=torch.bool)
+    mask[split.test[0], 3:] = False
+    net = torch.nn.Linear(d, 1).double()
+    with torch.no_grad():
+        net.weight.copy_(torch.tensor([[0.5, -1.0, 2.0]]))
+        net.bias.fill_(0.3)
+    monkeypatch.setattr(probes, "_network", lambda *args: net.float())
+    monkeypatch.setattr(probes, "_train", lambda *args, **kwargs: None)
+    out = mlp_probe(x, y, mask, split)
+
+    fit = torch.cat([split.train, split.val])
+    xf, yf = x[fit][mask[fit]].double(), y[fit][mask[fit]].double()
+    xt, yt = x[split.test][mask[split.test]].double(), y[split.test][mask[split.test]].double()
+    z = (xt - xf.mean(0)) / xf.std(0, unbiased=False)
+    pred = (z @ torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64) + 0.3) * yf.std(unbiased=False) + yf.mean()
+    rmse = ((pred - yt) ** 2).mean().sqrt().item()
+    assert out["rmse"] == pytest.approx(rmse, rel=1e-5)
+    assert out["nrmse"] == pytest.approx(rmse / yt.std(unbiased=False).item(), rel=1e-5)
+    assert out["pearson_r"] == pytest.approx(stats.pearsonr(pred.numpy(), yt.numpy()).statistic, abs=1e-5)
+    assert out["train_tokens"] == len(xf) and out["test_tokens"] == len(xt)
+
+
+def test_ridge_strength_is_chosen_on_validation_not_test_sequences():
+    """Validation sequences follow the training relation exactly (a weak penalty wins there); test sequences
+    do not (there a strong penalty, predicting the mean, would score better). The strength must be the
+    validation sequences' choice, and the R^2 reported is the test sequences' under it."""
+    g = torch.Generator().manual_seed(3)
+    S, n = 30, 8
+    split = split_sequences(S, seed=0)
+    x = torch.randn(S, n, 1, generator=g)
+    y = 10 + 2 * x[..., 0] + 0.1 * torch.randn(S, n, generator=g)
+    y[split.val] = 10 + 2 * x[split.val][..., 0]
+    y[split.test] = 10 + torch.randn(len(split.test), n, generator=g)
+    out = ridge_probe(x, y, torch.ones(S, n, dtype=torch.bool), split, alphas=(1e-6, 1e3))
+    assert out["alpha"] == [1e-6]
+    assert out["r2"][0] < -1  # the weak-penalty fit on test sequences it does not describe
+
+
+def test_variance_features_are_the_population_variance_across_hidden_dimensions():
+    h = torch.tensor([[[1.0, 3.0], [0.0, 4.0], [2.0, 2.0]]])
+    assert variance_features(h).tolist() == [[[1.0], [4.0], [0.0]]]

@@ -511,3 +511,36 @@ def test_head_labels_have_distinct_marks():
 
     labels = {*TERM_LABELS.values(), "mixed"}
     assert labels <= set(MARKS) and len({MARKS[label] for label in labels}) == len(labels)
+
+
+# ---- extrapolation's length rules (mutation review) -------------------------------------------------------
+
+def test_a_task_evaluated_at_length_l_draws_problems_of_exactly_l():
+    from poslab.analysis.extrapolation import config_at_length
+
+    cfg = config_at_length(RunConfig.from_dict(config("rope")), 7, sequences=8, batch_size=8)
+    problems = cfg.data.build(0).examples(cfg.train.eval_split, 32)
+    assert {len(prompt) - 1 for prompt, _ in problems} == {7}  # addition's length: the characters before '='
+
+
+def test_rope_scaling_never_compresses_positions_below_the_training_length(runs):
+    """A length shorter than the training length (factor < 1) is evaluated unscaled, as at factor 1."""
+    run = Run.load(runs / "rope")
+    ids = torch.randint(0, 10, (2, 12))
+    base = run.model(ids).logits
+    assert torch.allclose(with_rope_scaling(run.config, run.model, "linear", 0.5, 24)(ids).logits, base, atol=1e-5)
+
+
+def test_text_windows_are_counted_up_and_a_text_of_exactly_one_window_is_read(lm_run):
+    """sequences x longest / L windows at length L, rounded up (4 x 32 / 24 = 5.3 -> 6); a window of L tokens
+    holds <bos> and L - 1 tokens of text, so a text of L - 1 tokens is one window, not an error."""
+    from poslab.data import PreparedCorpus
+    from poslab.analysis.extrapolation import evaluation_config
+
+    run = Run.load(lm_run / "run")
+    records = evaluate_lengths(run.config, run.model, [24, 32], sequences=4, batch_size=1)
+    assert [r["sequences"] for r in records] == [6, 4]
+    text = PreparedCorpus(evaluation_config(run.config, books(lm_run)).data.options["prepared"]).splits[
+        "validation"].n_tokens
+    exact = evaluate_lengths(run.config, run.model, [text + 1], sequences=4, batch_size=2, eval_data=books(lm_run))
+    assert "error" not in exact[0] and exact[0]["sequences"] == 1

@@ -155,3 +155,12 @@ def test_near_parallel_states_are_scored_on_their_exact_cosines():
     assert exact.min() > 0.99
     assert torch.allclose(adjacency_score(cosine_self_similarity(states)), exact, atol=1e-6)
     assert torch.allclose(sequence_adjacency(states), exact, atol=1e-6)
+
+
+def test_a_sequence_of_exactly_three_real_tokens_is_scored():
+    """Three tokens are the fewest with a score (row 2 has two earlier positions): its P_2 by hand."""
+    h = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [0.6, 0.8], [5.0, 5.0]]])
+    mask = torch.tensor([[True, True, True, False]])
+    # row 2: cos to token 0 is 0.6, to token 1 is 0.8 -> the nearer one is the more similar: P_2 = 1
+    assert sequence_adjacency(h, mask).tolist() == [1.0]
+    assert sequence_adjacency(h[:, [1, 0, 2, 3]], mask).tolist() == [0.0]

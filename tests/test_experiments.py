@@ -40,6 +40,22 @@ def test_claims_are_computed_from_the_values():
     assert not claims.lowest("c", "x", {"a": 0.3, "b": math.nan}, "a").held
 
 
+def test_claims_hold_at_their_bounds_and_need_every_value():
+    """The rules say ">=", "<=", "in [low, high]" and "every value": a value at a bound holds, one value out of
+    bounds is enough to fail, and a NaN never holds."""
+    assert claims.at_least("c", 1, 0.8, 0.8).held and claims.at_most("c", 1, 1.1, 1.1).held
+    assert claims.within("c", 0.5, 0.4, 0.4, 0.6).held and claims.within("c", 0.5, 0.6, 0.4, 0.6).held
+    assert claims.all_within("c", "x", {"a": 0.4, "b": 0.6}, 0.4, 0.6).held
+    assert not claims.all_within("c", "x", {"a": 0.39, "b": 0.5, "c": 0.5}, 0.4, 0.6).held
+    assert not claims.all_within("c", "x", {"a": 0.5, "b": math.nan}, 0.4, 0.6).held
+    assert claims.all_of("c", "x", {"t1": 0.8, "t2": 0.9}, 0.8).held
+    assert claims.all_of("c", "x", {"32": 1.1, "48": 1.05}, 1.1, above=False).held
+    assert not claims.all_of("c", "x", {"t1": 0.79, "t2": 0.9, "t3": 0.95}, 0.8).held
+    assert not claims.all_of("c", "x", {"32": 1.2, "48": 1.05}, 1.1, above=False).held
+    assert not claims.all_of("c", "x", {"t1": math.nan, "t2": 0.9}, 0.8).held
+    assert claims.exceeds("c", "x", {"a": 0.9, "b": 0.6}, "a", "b", margin=0.3).held
+
+
 def test_what_was_tried_is_noted_only_for_claims_that_did_not_hold():
     result = [claims.at_least("big", 1, 2.0, 1.5), claims.at_least("huge", 100, 2.0, 50)]
     notes = claims.tried_notes(result, {"big": "tried A.", "hu": "tried B."})
@@ -965,3 +981,254 @@ def test_workers_keep_freed_memory_instead_of_faulting_it_in_every_step(monkeypa
     pool = common.worker_pool(1)
     assert calls == ["kept", 7] and pool._initializer is common._start_worker  # what each worker runs first
     pool.shutdown()
+
+
+# ---- the recipes' claim rules on measurements given to them (mutation review): the trainings and analyses
+# are replaced by fixed numbers, so each rule is checked against values computed here by hand -----------------
+
+def test_frequency_claims_read_entropy_and_fastest_quarter_of_layers_after_the_first(tmp_path, monkeypatch):
+    from scipy import stats
+
+    from poslab.experiments import frequencies
+
+    rows = {"pope": [[1, 0, 0, 0], [1, 1, 1, 1], [2, 2, 1, 1]], "rope": [[1, 1, 1, 1], [4, 1, 0, 0], [1, 0, 0, 0]]}
+    shares = {"pope": {"q": [0.9, 0.3, 0.25], "k": [0.5, 0.1, 0.2]}, "rope": {"q": [0.1, 0.5, 0.4], "k": [0.3, 0.6, 0.5]}}
+
+    def analysis(run, opts):
+        q = [[float(v) for v in row] for row in rows[run]]
+        k = [[2.0 * v for v in row] for row in q]  # the same profile at another scale: the same entropy
+        return {"q": q, "k": k, "figures": [],
+                "summary": {w: {"high_frequency_share": shares[run][w]} for w in ("q", "k")}}
+
+    monkeypatch.setattr(frequencies, "ensure_runs", lambda *args, **kwargs: {})
+    monkeypatch.setattr(frequencies.Run, "load", staticmethod(lambda path, device=None: path.name))
+    monkeypatch.setattr(frequencies, "frequencies_analysis", analysis)
+    result = frequencies.run("smoke", tmp_path / "frequencies", log=lambda _: None)
+    breadth, high = result.claims
+
+    def entropy(row):  # normalised: 1 for a flat profile, 0 for a single frequency
+        return stats.entropy(row) / math.log(len(row))
+
+    expected = {s: (entropy(r[1]) + entropy(r[2])) / 2 for s, r in rows.items()}  # layers 2 and 3 only
+    assert breadth.ours == pytest.approx(expected, abs=1e-5)
+    assert expected["pope"] - expected["rope"] > 0.05 and breadth.held
+    assert high.ours == pytest.approx({"pope": 0.2125, "rope": 0.5}) and not high.held  # q and k, layers 2 and 3
+    assert result.tables[0]["rows"][0][1:] == pytest.approx([0.0, 1.0])  # layer 1 shown, not judged
+    assert frequencies.spread([3.0, 3.0, 0.0, 0.0]) == pytest.approx(0.5)
+
+
+def test_indirect_indexing_claims_read_the_mean_over_seeds(tmp_path, monkeypatch):
+    from poslab.analysis import plots
+    from poslab.experiments import indirect_indexing
+
+    accuracy = {"pope": [0.3, 0.9, 0.6], "rope": [0.5, 0.45, 0.55]}  # seed 0 alone would tell otherwise
+    finals = {(s, seed): {"eval_exact_match": v} for s, values in accuracy.items() for seed, v in enumerate(values)}
+    monkeypatch.setattr(indirect_indexing, "ensure_runs", lambda *args, **kwargs: finals)
+    monkeypatch.setattr(plots, "bars", lambda path, *args, **kwargs: path)
+    far, above_chance = indirect_indexing.run("quick", tmp_path / "indirect-indexing", log=lambda _: None).claims
+    assert far.ours == pytest.approx({"pope": 0.6, "rope": 0.5}) and far.held  # a gap of exactly the 10% margin
+    chance = (1 / 5 + 1 / 6 + 1 / 7 + 1 / 8) / 4  # a random letter of a string of 5-8
+    assert above_chance.rule == f"ours >= {3 * chance:g}" and above_chance.ours == pytest.approx(0.6)
+    assert above_chance.held
+
+
+def test_dstg_spectrum_reads_pc1_and_pc2_low_bin_shares():
+    """PC1 along DCT-II basis 3 (all power in the first 4 bins), PC2 along basis 4 (none): the mean is 1/2."""
+    from types import SimpleNamespace
+
+    from poslab.experiments.dstg import ap_spectrum
+
+    n = 32
+    t = torch.arange(n, dtype=torch.float64)
+    basis = [torch.cos(math.pi * k * (2 * t + 1) / (2 * n)) for k in (3, 4)]
+    axes = torch.linalg.qr(torch.randn(8, 2, dtype=torch.float64))[0].T
+    table = torch.stack([3 * basis[0], basis[1]], 1) @ axes
+    run = SimpleNamespace(model=SimpleNamespace(ap_table=lambda: torch.cat([table, torch.randn(5, 8)])))
+    top2, low = ap_spectrum(run, n)  # the first n rows only: the 5 random rows below them are left out
+    assert top2 == pytest.approx(1.0) and low == pytest.approx(0.5)
+
+
+def test_adjacency_claims_average_seeds_and_judge_every_task_and_the_worse_init(tmp_path, monkeypatch):
+    """Every number a claim reads is given: per-seed layer scores (averaged), an ablation whose two small stds
+    differ (the claim reads the worse), tasks of which one fails (the "every task" claims fail with it)."""
+    from types import SimpleNamespace
+
+    from poslab.analysis import plots
+    from poslab.analysis.commands import NULL_FEATURES
+    from poslab.experiments import adjacency
+
+    scale = {**adjacency.SCALES["smoke"], "seeds": [0, 1]}
+    monkeypatch.setitem(adjacency.SCALES, "two-seeds", scale)
+    monkeypatch.setitem(adjacency.SIZES, "two-seeds", ((1, 64), (2, 128)))
+    first = adjacency.FIRST_LAYER
+    # (task, seed) -> (init, trained) scores of the first layer's output; the embedding's come from the seed
+    layer = {("addition", 0): (0.9, 0.84), ("addition", 1): (0.9, 0.76),  # trained mean 0.80: holds at the bound
+             ("reversal", 0): (0.95, 0.9), ("reversal", 1): (0.85, 0.9),
+             ("indexing", 0): (0.8, 0.7), ("indexing", 1): (0.8, 0.72),  # trained 0.71: fails "every task"
+             ("ordering", 0): (0.9, 0.95), ("ordering", 1): (0.9, 0.95)}
+    embed = {0: (0.45, 0.5), 1: (0.55, 0.62)}  # (init, trained): trained mean 0.56
+    shift = {"addition": 0.0, "reversal": -0.1, "indexing": 0.1, "ordering": 0.0}  # init: task means 0.4-0.6
+
+    class FakeRun:
+        def __init__(self, *args):
+            pass
+
+        @staticmethod
+        def load(path, device=None):
+            task, seed = path.name.split("-")[1], int(path.name.split("-s")[-1])
+            return SimpleNamespace(task=task, seed=seed, out_dir=path, config=SimpleNamespace(
+                train=SimpleNamespace(eval_split="test")), source=lambda: SimpleNamespace(distinct=lambda s: (9, 10)))
+
+        def batches(self, *args):
+            return []
+
+    def analysis(run, opts):
+        scores = {label: {first: {"mean": layer[run.task, run.seed][i]},
+                          "embed": {"mean": embed[run.seed][i] + (shift[run.task] if label == "init" else 0.0)}}
+                  for i, label in enumerate(("init", "trained"))}
+        return {"models": scores, "figures": []}
+
+    mlp = {"cosine": {"nrmse": 0.3, "pearson_r": 0.9}, "variance": {"nrmse": 0.5, "pearson_r": 0.8},
+           NULL_FEATURES: {"nrmse": 0.9, "pearson_r": 0.1}}
+    # (std, mean) -> score at init, the same for every initialisation seed
+    ablation = {(0.002, 0.0): 0.9, (0.02, 0.0): 0.78, (0.2, 0.0): 0.6, (0.002, 4.0): 0.85, (0.02, 4.0): 0.82,
+                (0.2, 4.0): 0.5, (0.002, 8.0): 0.9, (0.02, 8.0): 0.81, (0.2, 8.0): 0.5}
+
+    def fake_model(spec):
+        return SimpleNamespace(spec=spec, eval=lambda: SimpleNamespace(spec=spec))
+
+    def scores(model, batches, names=()):
+        spec = model.spec
+        if spec.get("arch") == "encoder":
+            return {first: 0.5}
+        return {first: ablation[spec["init_std"], spec["init_mean"]]}
+
+    finals = {key: {"eval_exact_match": 0.5} for key in adjacency.runs("two-seeds", tmp_path)}
+    monkeypatch.setattr(adjacency, "ensure_runs", lambda *args, **kwargs: finals)
+    monkeypatch.setattr(adjacency, "Run", FakeRun)
+    monkeypatch.setattr(adjacency, "adjacency_analysis", analysis)
+    monkeypatch.setattr(adjacency, "probes_analysis", lambda run, opts: {"models": {"trained": {"mlp": mlp}},
+                                                                         "figures": []})
+    monkeypatch.setattr(adjacency, "build_model", fake_model)
+    monkeypatch.setattr(adjacency, "first_layer_scores", scores)
+    monkeypatch.setattr(adjacency, "size_scores", lambda *args: {(1, 64): {"first": 0.85, "last": 0.7},
+                                                                 (2, 128): {"first": 0.8, "last": 0.6}})
+    monkeypatch.setattr(plots, "heatmap", lambda path, *args, **kwargs: path)
+    result = adjacency.run("two-seeds", tmp_path / "adjacency", log=lambda _: None)
+    c = {claim.claim.split(" (")[0]: claim for claim in result.claims}
+    assert len(c) == len(result.claims) == 10
+
+    embed_init = c["score at the token-embedding layer is ~0.5"]
+    assert embed_init.ours == pytest.approx(0.5) and embed_init.held  # mean of the seeds, then of the tasks
+    assert result.details["embed"] == pytest.approx({"addition": 0.5, "reversal": 0.4, "indexing": 0.6, "ordering": 0.5})
+    embed_trained = c["score at the token-embedding layer stays ~0.5 after training"]
+    assert embed_trained.ours == pytest.approx({t: 0.56 for t in adjacency.TASKS}) and embed_trained.held
+    at_init = c["score of the first causal attention layer's output >= 0.8 at initialisation"]
+    assert at_init.ours == pytest.approx({"addition": 0.9, "reversal": 0.9, "indexing": 0.8, "ordering": 0.9})
+    assert at_init.held  # indexing at exactly 0.8
+    trained = c["score of the first causal attention layer's output >= 0.8 after training"]
+    assert trained.ours == pytest.approx({"addition": 0.8, "reversal": 0.9, "indexing": 0.71, "ordering": 0.95})
+    assert not trained.held  # one task below 0.8 is enough
+    assert c["init std 0.2 destroys the pattern"].ours == 0.6 and c["init std 0.2 destroys the pattern"].held
+    small_std = c["init std <= 0.02 keeps the pattern"]
+    assert small_std.ours == pytest.approx(0.78) and not small_std.held  # the worse of std 0.002 and 0.02
+    means = c["a large init mean matters less: mean 0, 4, 8 keeps >= 0.8"]
+    assert means.ours == pytest.approx({"mean 0": 0.78, "mean 4": 0.82, "mean 8": 0.81}) and not means.held
+    sizes = [claim for claim in result.claims if claim.claim.startswith("at initialisation the pattern is stable")][0]
+    assert sizes.ours == {"1 x 64": 0.85, "2 x 128": 0.8} and sizes.held
+    assert c["bidirectional NoPE control has no adjacency pattern"].held
+    assert c["cosine-similarity features predict position better than variance features"].held
+
+
+def test_extrapolation_claims_read_loss_ratios_to_1x_and_to_the_fine_tune_length(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from poslab.experiments import extrapolation
+
+    def curve(losses, factors=(1, 2, 4)):
+        return [{"length": 16 * f, "factor": float(f), "loss": v} for f, v in zip(factors, losses)]
+
+    main = {"pope": {"none": curve([2.0, 2.1, 2.2])},  # 4x / 1x = 1.1: flat at the bound
+            "rope": {"none": curve([2.0, 2.5, 3.0]), "yarn": curve([2.0, 2.2, 2.6]), "ntk": curve([2.0, 2.3, 2.7]),
+                     "linear": curve([2.0, 2.4, 2.8])}}
+    sized = {"pope-48": {"none": curve([2.0, 2.1], (1, 4))}, "rope-48": {"none": curve([2.0, 3.2], (1, 4))}}
+
+    def analysis(run, opts):
+        runs = main if run.name == "pope" else sized
+        assert tuple(opts.factors) == ((1, 2, 4) if run.name == "pope" else (1, 4))
+        return {"runs": {name: {"curves": curves} for name, curves in runs.items()}, "figures": []}
+
+    tuned = [2.4, 2.0, 2.3]  # fine-tuned at 2x: 4x / 2x = 1.15 degrades, though 4x / 1x is below 1
+    finals = {"pope": {"eval_loss": 2.0}, "rope": {"eval_loss": 2.1}, "pope-48": {"eval_loss": 1.96},
+              "rope-48": {"eval_loss": 1.95}}  # PoPE lower at the base size only: not "at every size"
+    monkeypatch.setattr(extrapolation, "ensure_runs", lambda *args, **kwargs: finals)
+    monkeypatch.setattr(extrapolation.Run, "load", staticmethod(
+        lambda path, device=None: SimpleNamespace(name=path.name, out_dir=path, config=None, model=None,
+                                                  source=lambda: None)))
+    monkeypatch.setattr(extrapolation, "extrapolation_analysis", analysis)
+    monkeypatch.setattr(extrapolation, "evaluate_lengths", lambda config, model, lengths, *args, **kwargs: [
+        {"length": length, "factor": 99.0, "loss": loss} for length, loss in zip(lengths, tuned)])
+    result = extrapolation.run("smoke", tmp_path / "extrapolation", log=lambda _: None)
+    flat, degrades, yarn_past, beats, text, flat_sizes, larger = result.claims
+    assert flat.ours == pytest.approx(1.1) and flat.held
+    assert degrades.ours == pytest.approx({"rope": 1.5, "pope": 1.1}) and degrades.held
+    assert yarn_past.ours == pytest.approx(2.3 / 2.0) and yarn_past.held
+    assert beats.ours == pytest.approx({"rope+yarn fine-tuned at 2x": 2.3, "pope": 2.2}) and beats.held
+    assert not text.held and text.ours == {"32 pope": 2.0, "32 rope": 2.1, "48 pope": 1.96, "48 rope": 1.95}
+    assert flat_sizes.ours == pytest.approx({"32": 1.1, "48": 1.05}) and flat_sizes.held
+    assert larger.ours == pytest.approx({"48": 1.6, "32": 1.5}) and larger.held
+
+
+def test_dstg_claims_average_spectra_seeds_and_read_the_head_counts_at_their_bounds(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from poslab.analysis import plots
+    from poslab.experiments import dstg
+
+    # per run: (top-2 share, low-bin share, top-2 share at DSTG's width); seed 0 alone would fail the first claim
+    spectra = {"dstg": (0.65, 0.85, 0.9), "dstg-s1": (0.95, 0.75, 0.9),
+               "ap_neobert": (0.5, 0.3, 0.75), "ap_neobert-s1": (0.7, 0.3, 0.65)}
+    last = {"position": {"dstg": 0.86, "ap_neobert": 0.8, "rope_neobert": 0.7, "rp_neobert": 0.6},
+            "sentence_index": {"dstg": 0.7, "ap_neobert": 0.69, "rope_neobert": 0.5, "rp_neobert": 0.4}}
+
+    def probes(run, opts):
+        name = run.name
+        out = {t: {"embed": 0.95 if (t, name) == ("position", "dstg") else 0.1, "blocks.0.resid_post": 0.2,
+                   "blocks.1.resid_post": last[t][name]} for t in last}
+        intra = {"dstg": 0.5, "ap_neobert": 0.6, "rope_neobert": 0.55, "rp_neobert": 0.52}[name]
+        out["pos_in_sentence"] = {"embed": 0.1, "blocks.0.resid_post": intra, "blocks.1.resid_post": 0.3}
+        if name == "dstg":  # the whole state tells more than the sem stream the claim reads
+            out["pos_in_sentence"] = {"embed": 0.1, "blocks.0.resid_post": 0.9, "blocks.1.resid_post": 0.9,
+                                      "embed.sem": 0.8, "blocks.0.resid_post.sem": 0.5,
+                                      "blocks.1.resid_post.sem": 0.4, "blocks.1.resid_post.ap": 0.1}
+            for t in last:
+                out[t].update({f"{layer}.{s}": 0.1 for layer in ("embed", "blocks.1.resid_post") for s in ("ap", "sem")})
+        gain = 0.1 if name == "dstg" else 0.05
+        return out, {"position alone": 0.6, "last layer + position": 0.6 + gain}
+
+    def load(path, device=None):
+        table = torch.full((40, 16), spectra.get(path.name, (0, 0, 0))[2], dtype=torch.float64)
+        model = SimpleNamespace(table=table, config=SimpleNamespace(num_hidden_layers=2), num_parameters=lambda: 1)
+        return SimpleNamespace(name=path.name, out_dir=path, model=model)
+
+    monkeypatch.setattr(dstg, "ensure_runs", lambda configs, *args, **kwargs: {name: {} for name in configs})
+    monkeypatch.setattr(dstg.Run, "load", staticmethod(load))
+    monkeypatch.setattr(dstg, "reached_rows", lambda run, opts: 32)
+    monkeypatch.setattr(dstg, "ap_spectrum", lambda run, rows: spectra[run.name][:2])
+    monkeypatch.setattr(dstg, "spectra_analysis", lambda run, opts: None)
+    monkeypatch.setattr(dstg, "heads_analysis", lambda run, opts: {
+        "counts": {"structure": 3, "semantic": 5, "mixed": 2}, "figures": []})
+    monkeypatch.setattr(dstg, "structure_probes", probes)
+    monkeypatch.setattr(dstg, "ap_table", lambda model: model.table)
+    monkeypatch.setattr(dstg, "top2_at_width", lambda table, width: float(table[0, 0]) if width == 16 else math.nan)
+    monkeypatch.setattr(plots, "bars", lambda path, *args, **kwargs: path)
+    result = dstg.run("smoke", tmp_path / "dstg", log=lambda _: None)
+    top2, at_width, low_bins, segment, beyond, token, intra, heads = result.claims
+    assert top2.ours == pytest.approx({"dstg": 0.8, "ap_neobert": 0.6}) and top2.held  # means over seeds 0, 1
+    assert at_width.ours == pytest.approx({"dstg": 0.9, "ap_neobert at width 16": 0.7}) and at_width.held
+    assert low_bins.ours == pytest.approx(0.8) and low_bins.held
+    assert segment.ours["dstg best"] == 0.7 and segment.held
+    assert beyond.ours["dstg"] == pytest.approx(0.1) and beyond.held
+    assert token.ours["dstg best"] == 0.95 and token.held  # 0.86 >= 0.9 x the embedding's 0.95
+    assert intra.ours == {"dstg": 0.5, "ap_neobert": 0.6, "rope_neobert": 0.55, "rp_neobert": 0.52} and intra.held
+    assert heads.ours == {"structure": 3, "semantic": 5, "mixed": 2} and heads.held  # 8 of 10 heads: at 80%

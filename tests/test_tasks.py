@@ -520,3 +520,39 @@ def test_cli_show_refusals_name_the_option():
         run_cli(["tasks", "show", "addition", "--set", "max_len=[1"])
     with pytest.raises(ConfigError, match=r"count must lie in \[1, 100,000\]"):
         build_batch_source(0, "addition").examples("train", 10**20)
+
+
+# ---- the drawn problems' distributions (mutation review: a generator that never draws some admissible case
+# still writes correct problems, so the checkers above cannot see it) -----------------------------------------
+
+def _sample(name: str, length: int, count: int, **options) -> list[tuple[str, str]]:
+    cls = get_task(name)
+    prompt, answer = cls(cls.Options(min_len=length, max_len=length, **options)).sample(
+        np.random.default_rng(0), np.full(count, length))
+    return list(zip(prompt.strings(), answer.strings()))
+
+
+def test_addition_first_operand_length_is_uniform_over_every_split():
+    """A problem of length 5 has operands of 1+3, 2+2 and 3+1 digits, each a third of the time."""
+    counts = collections.Counter(len(p.split("+")[0]) for p, _ in _sample("addition", 5, 3000))
+    assert sorted(counts) == [1, 2, 3] and all(abs(c / 3000 - 1 / 3) < 0.04 for c in counts.values())
+
+
+def test_indexing_query_is_drawn_from_every_position():
+    """Two digits: the query is the second digit half the time, and then (unless both digits are equal, 1 in
+    10) its first occurrence is position 1: answer "1" with probability 0.45."""
+    answers = collections.Counter(a for _, a in _sample("indexing", 12, 3000))
+    assert set(answers) == {"0", "1"} and abs(answers["1"] / 3000 - 0.45) < 0.04
+
+
+def test_indirect_indexing_draws_every_shift_and_every_admissible_source():
+    """Strings of 4, shifts -1..1: 10 (shift, source position) pairs are admissible, each drawn about equally
+    often within its shift (shift uniform, then source uniform where the target stays inside)."""
+    pairs = collections.Counter()
+    for prompt, _ in _sample("indirect_indexing", 4, 6000, alphabet_size=8, min_shift=-1, max_shift=1):
+        letters, source, shift = [part.strip() for part in prompt.split(",")[:3]]
+        pairs[int(shift), letters.index(source)] += 1
+    admissible = {(s, i) for s in (-1, 0, 1) for i in range(4) if 0 <= i + s < 4}
+    assert set(pairs) == admissible
+    for (s, _), count in pairs.items():
+        assert abs(count / 6000 - 1 / 3 / (4 - abs(s))) < 0.025
