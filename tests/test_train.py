@@ -164,6 +164,7 @@ def test_weight_decay_only_on_linear_weights(scheme, tie):
     biases = {id(p) for name, p in model.named_parameters() if name.endswith("bias")}
     assert norms and embeddings and (norms | embeddings | biases) <= no_decay
     assert (id(model.get_output_embeddings().weight) in decay) == (not tie)
+    assert [g["weight_decay"] for g in param_groups(model, 0.1)] == [0.1, 0.0]  # the decayed group does decay
 
 
 def test_warmup_then_cosine_to_min_lr():
@@ -188,6 +189,20 @@ def test_schedule_shape_for_any_lengths(steps, warmup, floor):
     assert all(a >= b - 1e-12 for a, b in itertools.pairwise(factors[peak:]))  # then never rises
     if steps - 1 > peak:  # the last update uses min_lr
         assert factors[-1] == pytest.approx(floor, abs=1e-12)
+
+
+def test_cosine_matches_torch_cosine_annealing():
+    """After a warmup of one step (the full lr at step 0) the schedule is torch's CosineAnnealingLR down to
+    min_lr at the last step: a cosine, not another curve through the same end points."""
+    cfg = TrainConfig(steps=13, lr=2e-3, min_lr=2e-4, warmup_steps=1)
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+    reference = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=cfg.steps - 1, eta_min=cfg.min_lr)
+    expected = []
+    for _ in range(cfg.steps):
+        expected.append(reference.get_last_lr()[0])
+        optimizer.step()
+        reference.step()
+    assert [cfg.lr * lr_factor(cfg)(t) for t in range(cfg.steps)] == pytest.approx(expected, rel=1e-12)
 
 
 # ---- checkpoints --------------------------------------------------------------------------------------------
@@ -279,6 +294,32 @@ def test_resume_continues_bitwise(tmp_path, monkeypatch):
     assert all(torch.equal(model.state_dict()[k], v) for k, v in a.items())
 
 
+def test_a_resume_continues_every_random_stream(tmp_path, monkeypatch):
+    """The models here draw no random numbers while training, so the bitwise resume above holds without the
+    checkpoint's RNG states. Dropout would: a step drawing from torch, numpy and random draws after a resume
+    what it drew in the uninterrupted run."""
+    import random
+
+    import numpy as np
+    config = RunConfig.from_dict(tiny_config(steps=4, checkpoint_every=2))
+    real_step, draws, crash_at = trainer_module.Trainer._train_step, [], [None]
+
+    def drawing_step(self, step):
+        if step == crash_at[0]:
+            raise KeyboardInterrupt  # after the step-2 checkpoint
+        draws.append((step, torch.rand(1).item(), np.random.rand(), random.random()))
+        return real_step(self, step)
+    monkeypatch.setattr(trainer_module.Trainer, "_train_step", drawing_step)
+    train(config, tmp_path / "whole")
+    whole, draws[:], crash_at[0] = draws[:], [], 3
+    with pytest.raises(KeyboardInterrupt):
+        train(config, tmp_path / "cut")
+    crash_at[0] = None
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)  # whatever ran in between
+    train(config, tmp_path / "cut", resume=True)
+    assert [d[0] for d in draws] == [0, 1, 2, 2, 3] and draws[3:] == whole[2:]
+
+
 def test_a_resume_trains_with_its_own_optimizer_settings(tmp_path):
     """The checkpoint gives the AdamW moments and the schedule's position; lr, min_lr, weight decay, betas
     and eps are the resumed config's (the one config.yaml then records), as on a run started with them."""
@@ -302,6 +343,61 @@ def test_gradient_accumulation_matches_one_big_batch(kind, tmp_path):
     two = train(RunConfig.from_dict(config(steps=3, grad_accum=4)), tmp_path / "two")
     assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
     assert two["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("grad_clip", [0.0, 1e-3])
+def test_each_update_gets_the_scheduled_lr_and_the_clipped_whole_batch_gradient(grad_clip, tmp_path, monkeypatch):
+    """What AdamW is handed at each step, computed independently: the lr of the hand-derived schedule for that
+    step (warmup 1/3, 2/3, 1, then a cosine over 3 steps to min_lr), not the next step's; and the gradient of
+    the mean cross-entropy over every labelled target of the whole batch (one forward, here trained as 4
+    micro-batches), scaled to norm grad_clip when it is longer, untouched with grad_clip 0."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    built, seen = {}, []
+    build_optimizer = trainer_module.build_optimizer
+    monkeypatch.setattr(trainer_module, "build_optimizer",
+                        lambda model, *a: build_optimizer(built.setdefault("model", model), *a))
+
+    def before_update(optimizer, args, kwargs):
+        model = built["model"]
+        seen.append(([g["lr"] for g in optimizer.param_groups], {k: v.clone() for k, v in model.state_dict().items()},
+                     {k: p.grad.clone() for k, p in model.named_parameters()}))
+    handle = register_optimizer_step_pre_hook(before_update)
+    try:
+        config = RunConfig.from_dict(tiny_config(steps=6, warmup_steps=3, lr=1e-2, min_lr=1e-3, grad_accum=4,
+                                                 grad_clip=grad_clip))
+        train(config, tmp_path / "run")
+    finally:
+        handle.remove()
+    records = [r for r in map(json.loads, (tmp_path / "run/metrics.jsonl").read_text().splitlines()) if "lr" in r]
+    factors = [1 / 3, 2 / 3, 1, 0.1 + 0.9 * 0.75, 0.1 + 0.9 * 0.25, 0.1]
+    assert [lr for lrs, _, _ in seen for lr in lrs] == pytest.approx([1e-2 * f for f in factors for _ in "ab"], rel=1e-12)
+    assert [r["lr"] for r in records] == pytest.approx([1e-2 * f for f in factors], rel=1e-12)
+    source, model = config.data.build(config.seed), build_model(config.model)
+    for step, ((_, weights, grads), record) in enumerate(zip(seen, records, strict=True)):
+        model.load_state_dict(weights)
+        model.zero_grad()
+        batch = source.train_batch(step, config.train.batch_size)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100).backward()
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()
+        assert record["grad_norm"] == pytest.approx(norm, rel=1e-4)  # measured before clipping
+        scale = min(1.0, grad_clip / (norm + 1e-6)) if grad_clip else 1.0
+        assert grad_clip == 0 or scale < 0.1  # the clip bites
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad * scale, rtol=1e-4, atol=1e-7 * max(scale, 1e-3))
+
+
+def test_log_eval_and_checkpoint_cadence(tmp_path):
+    """Steps are counted from 1: a train record every log_every steps and at the last, an evaluation every
+    eval_every steps and at the last, a checkpoint every checkpoint_every steps and at the last (the one it
+    replaced kept as previous)."""
+    train(RunConfig.from_dict(tiny_config(steps=5, log_every=2, eval_every=2, checkpoint_every=3)), tmp_path / "run")
+    records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [2, 4, 5]
+    assert [r["step"] for r in records if "eval_loss" in r] == [2, 4, 5]
+    last = tmp_path / "run/checkpoints/last"
+    assert [ckpt.load_trainer_state(p)["step"] for p in (last, last / "previous")] == [5, 3]
 
 
 def test_a_run_resumes_with_sparse_prediction_switched(tmp_path):
@@ -703,6 +799,24 @@ def test_every_rank_keeps_the_best_checkpoint_by_rank_zero_s_numbers(tmp_path, m
     train(RunConfig.from_dict(tiny_config(steps=3, eval_every=1)), tmp_path / "run")
     best = json.loads((tmp_path / "run" / "checkpoints" / "best" / "trainer_state.json").read_text())["best"]
     assert {k: best[k] for k in ("metric", "value", "step")} == {"metric": "loss", "value": -3.0, "step": 3}
+
+
+@pytest.mark.parametrize("metric,values,best", [
+    ("loss", [3.0, 2.0, 2.0, 2.5, 2.1], (2.0, 2)),  # a tie is no improvement
+    ("token_accuracy", [0.5, 0.7, 0.7, math.nan, 0.6], (0.7, 2)),  # nor is NaN
+])
+def test_the_best_checkpoint_is_the_first_strict_improvement(metric, values, best, tmp_path, monkeypatch):
+    real_evaluate, calls = trainer_module.evaluation.evaluate, []
+
+    def scripted(*args, **kwargs):
+        metrics = real_evaluate(*args, **kwargs)
+        calls.append(None)
+        return {**metrics, "loss": 1.0, metric: values[len(calls) - 1]}
+    monkeypatch.setattr(trainer_module.evaluation, "evaluate", scripted)
+    result = train(RunConfig.from_dict(tiny_config(steps=5, eval_every=1, best_metric=metric)), tmp_path / "run")
+    state = ckpt.load_trainer_state(tmp_path / "run/checkpoints/best")
+    assert (state["best"]["value"], state["best"]["step"], state["step"]) == (*best, best[1])
+    assert (result[f"best_{metric}"], result["best_step"]) == best
 
 
 def test_bad_vocab_sequence_length_and_lone_fsdp_are_config_errors(tmp_path):
