@@ -125,6 +125,26 @@ def test_train_config_checks_types_when_built(values, message):
         TrainConfig(**values)
 
 
+@pytest.mark.parametrize("values,message", [
+    ({"lr": 1e-3, "min_lr": 1e-3}, None),  # a constant tail
+    ({"lr": 1e-3, "min_lr": 2e-3}, "train.min_lr must lie in [0, train.lr=0.001], got 0.002"),
+    ({"min_lr": -1e-6}, "train.min_lr must lie in [0, train.lr=0.0003], got -1e-06"),
+    ({"grad_clip": 0.0}, None),  # 0 disables clipping
+    ({"grad_clip": -1.0}, "train.grad_clip must be >= 0 (0 disables clipping), got -1.0"),
+    ({"steps": 5, "warmup_steps": 5}, None),
+    ({"weight_decay": 0.0, "eval_every": 0, "checkpoint_every": 0, "warmup_steps": 0}, None),
+    ({"checkpoint_every": -1}, "train.checkpoint_every must be >= 0 (0 disables it), got -1"),
+    ({"batch_size": 6, "grad_accum": 4}, "train.grad_accum (4) must divide train.batch_size (6)"),
+])
+def test_train_config_boundaries(values, message):
+    """The edge of each range is accepted, the first value past it refused."""
+    if message is None:
+        TrainConfig(**values)
+    else:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            TrainConfig(**values)
+
+
 @pytest.mark.parametrize("seed,message", [
     (-1, "seed must be an integer in [0, 2^63), got -1"),
     (2**63, "seed must be an integer in [0, 2^63), got 9223372036854775808"),
@@ -219,6 +239,10 @@ def test_checkpoint_swap_survives_an_interrupted_save(tmp_path):
     _save(path, model, 1)
     _save(path, model, 2)
     assert ckpt.load_trainer_state(ckpt.resolve(path))["step"] == 2
+    _save(path, model, 3)
+    _save(path, model, 2)
+    # One copy back, not a chain of every save: previous holds the one replaced, without its own previous.
+    assert ckpt.load_trainer_state(path / "previous")["step"] == 3 and not (path / "previous/previous").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last"]  # nothing left aside
     # A crash between "move the old one aside" and "rename the new one in" leaves only the old copy.
     path.rename(tmp_path / ".last.old")
@@ -521,6 +545,15 @@ def test_a_batch_without_labelled_tokens_passes_without_an_update(tmp_path, monk
         state = [load_file(f) if name.endswith(".safetensors") else torch.load(f, weights_only=True)["state"]
                  for f in (tmp_path / run / "checkpoints/last" / name for run in ("skipped", "one"))]
         assert all(torch.equal(a, b) for a, b in zip(flat(state[0]), flat(state[1]), strict=True))
+
+
+def test_a_step_without_an_update_still_advances_the_schedule(tmp_path, monkeypatch):
+    """The lr stays a function of the step: after a step that passed without an update, the next one takes
+    the lr of its own step, not of the one skipped."""
+    _blank_batch(monkeypatch, 1)
+    train(RunConfig.from_dict(tiny_config(steps=4, warmup_steps=2, min_lr=1e-3)), tmp_path / "run")
+    lrs = [r["lr"] for r in map(json.loads, (tmp_path / "run/metrics.jsonl").read_text().splitlines()) if "lr" in r]
+    assert lrs == pytest.approx([5e-3, 1e-2, 1e-3 + 9e-3 * 0.5, 1e-3], rel=1e-12)  # a cosine over 2 steps: 1, 1/2, 0
 
 
 def test_a_checkpoint_before_the_first_update_leaves_the_run_as_it_was(tmp_path, monkeypatch):
@@ -1002,7 +1035,8 @@ def test_dstg_masked_lm_run_on_a_text_source(tmp_path):
 
 
 class _FixedSource:
-    """A minimal BatchSource: two fixed evaluation batches."""
+    """A minimal BatchSource: three fixed evaluation batches, the last without a labelled token (a short
+    masked-LM batch can draw no mask): it adds nothing, where its mean loss would be NaN."""
     vocab_size = 11
 
     def __init__(self):
@@ -1010,6 +1044,7 @@ class _FixedSource:
         self.batches = [{"input_ids": torch.randint(0, 11, (3, 7), generator=g),
                          "labels": torch.randint(0, 11, (3, 7), generator=g)} for _ in range(2)]
         self.batches[1]["labels"][:, ::2] = -100
+        self.batches.append({"input_ids": self.batches[0]["input_ids"], "labels": torch.full((3, 7), -100)})
 
     def eval_batches(self, split, batch_size):
         return iter(self.batches)
