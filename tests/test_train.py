@@ -309,6 +309,7 @@ def test_resume_continues_bitwise(tmp_path, monkeypatch):
     resumed = train(config, tmp_path / "cut", resume=True)
 
     assert losses(tmp_path / "cut") == losses(tmp_path / "whole") and len(losses(tmp_path / "whole")) == 6
+    assert ckpt.load_trainer_state(tmp_path / "cut/checkpoints/last/previous")["last_loss"] == losses(tmp_path / "cut")[3]
     a, b = (load_file(tmp_path / run / "checkpoints/last/model.safetensors") for run in ("whole", "cut"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert {k: resumed[k] for k in ("train_loss", "eval_loss", "best_step")} == \
@@ -410,6 +411,26 @@ def test_each_update_gets_the_scheduled_lr_and_the_clipped_whole_batch_gradient(
         assert grad_clip == 0 or scale < 0.1  # the clip bites
         for name, p in model.named_parameters():
             torch.testing.assert_close(grads[name], p.grad * scale, rtol=1e-4, atol=1e-7 * max(scale, 1e-3))
+    # And the updates are AdamW's (torch's single-tensor implementation), decaying linear maps only.
+    model.load_state_dict(seen[0][1])
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)} - embedded
+    cfg = config.train
+    reference = torch.optim.AdamW([{"params": [p for p in model.parameters() if id(p) in linear]},
+                                   {"params": [p for p in model.parameters() if id(p) not in linear],
+                                    "weight_decay": 0.0}],
+                                  lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=False)
+    final = load_file(tmp_path / "run/checkpoints/last/model.safetensors")
+    for step, (_, _, grads) in enumerate(seen):
+        for name, p in model.named_parameters():
+            p.grad = grads[name]
+        for group in reference.param_groups:
+            group["lr"] = cfg.lr * factors[step]
+        reference.step()
+        after = seen[step + 1][1] if step + 1 < len(seen) else final
+        for name, p in model.named_parameters():
+            if name in after:
+                torch.testing.assert_close(after[name], p.detach(), rtol=1e-5, atol=1e-7)
 
 
 def test_log_eval_and_checkpoint_cadence(tmp_path):
@@ -1048,6 +1069,15 @@ class _FixedSource:
 
     def eval_batches(self, split, batch_size):
         return iter(self.batches)
+
+
+def test_generic_evaluation_reads_eval_batches_batches():
+    raw = tiny_config(eval_batches=1)
+    raw["model"].update(vocab_size=11)
+    raw["data"] = {"kind": "lm"}
+    config, source = RunConfig.from_dict(raw), _FixedSource()
+    metrics = evaluate(build_model(config.model), source, config, torch.device("cpu"), torch.autocast("cpu", enabled=False))
+    assert metrics["tokens"] == int((source.batches[0]["labels"][:, 1:] != -100).sum())
 
 
 @pytest.mark.parametrize("arch", ["decoder", "encoder", "sparse encoder"])
