@@ -28,6 +28,7 @@ from poslab.errors import ConfigError, DataError
     ("It ended (finally.) Then more.", ["It ended (finally.)", "Then more."]),
     ("東京に行った。大阪にも行った。 Then home.", ["東京に行った。", "大阪にも行った。", "Then home."]),
     ("A line\nwrapped mid sentence. Next.", ["A line wrapped mid sentence.", "Next."]),
+    ("The vote was 5 to 4. 10 members abstained.", ["The vote was 5 to 4.", "10 members abstained."]),
     ("Odd\u00a0spaces.\u2003Next\u3000one.  Then\tmore.", ["Odd spaces.", "Next one.", "Then more."]),
 ])
 def test_sentence_splitter(text, expected):
