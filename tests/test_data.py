@@ -333,17 +333,23 @@ def test_bpe_labels_align(tmp_path):
 
 def test_a_sentence_without_tokens_gets_none_and_the_next_keeps_its_labels(tmp_path):
     """A paragraph of control characters (which the WordPiece normaliser drops) is a sentence without
-    tokens: no token gets its index, and the sentence after it keeps index 2, paragraph 2 and its tokens."""
+    tokens: no token gets its index, and the sentence after it keeps index 2, paragraph 2 and its tokens.
+    A document of nothing else has no tokens and is dropped (its id unused, no lone [SEP]); a tokenless
+    sentence closing the last document of the corpus is no error."""
     corpus = tmp_path / "c.jsonl"
     docs = [f"Plain words in document {i}.\n\n\u0001\u0002\n\nBye now, friend." for i in range(30)]
+    docs[5] = "\u0001\u0002"
+    docs[29] += "\n\n\u0003"
     corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     out = tmp_path / "p"
     prepare(_config(source={"type": "jsonl", "paths": str(corpus)}, tokenizer={**TOKENIZER, "vocab_size": 200},
                     validation_documents=0), out)
     data, tok = PreparedCorpus(out).split("train"), load_tokenizer(out / "tokenizer")
     labels, ids = data.structure(np.arange(data.n_tokens)), data.tokens(np.arange(data.n_tokens))
-    assert data.n_documents == 30 and not (labels["sentence_index"] == 1).any()
-    for doc_id in range(30):
+    assert data.n_documents == 29 and not np.isin(labels["sentence_index"], [1, 3]).any()
+    assert set(labels["doc_id"].tolist()) == set(range(30)) - {5} | {-1}
+    assert (ids == PreparedCorpus(out).special_ids["sep"]).sum() == 29  # one [SEP] per kept document
+    for doc_id in set(range(30)) - {5}:
         in_doc = labels["doc_id"] == doc_id
         np.testing.assert_array_equal(labels["pos_in_document"][in_doc], np.arange(in_doc.sum()))
         last = in_doc & (labels["sentence_index"] == 2)
