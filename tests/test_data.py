@@ -128,6 +128,59 @@ def test_train_order_is_a_permutation_each_epoch(prepared):
     assert len(set(starts)) == n
 
 
+def test_each_epoch_reads_every_sequence_once_in_a_fresh_order(prepared):
+    """With a batch of all n sequences, step e is exactly epoch e: each reads every sequence once, and the
+    permutation is drawn per epoch and per seed (the same order every epoch would repeat the batches'
+    composition; the same for every seed would make seeds differ only in their masks)."""
+    source = build_lm_source(5, prepared=str(prepared), seq_len=64, packing=False, prefetch=False)
+    n = source.num_sequences("train")
+    orders = []
+    for epoch in range(3):
+        batch = source.train_batch(epoch, n)
+        orders.append(list(zip(batch["doc_id"][:, 1].tolist(), batch["pos_in_document"][:, 1].tolist())))
+    assert all(len(set(order)) == n for order in orders) and set(orders[0]) == set(orders[1]) == set(orders[2])
+    assert orders[0] != orders[1] and orders[1] != orders[2] and orders[0] != orders[2]
+    other = build_lm_source(6, prepared=str(prepared), seq_len=64, packing=False, prefetch=False).train_batch(0, n)
+    other_order = list(zip(other["doc_id"][:, 1].tolist(), other["pos_in_document"][:, 1].tolist()))
+    assert set(other_order) == set(orders[0]) and other_order != orders[0]  # the seed chooses the order too
+
+
+@pytest.mark.parametrize("n", [1000, 1500, 4096, 5000])
+def test_permute_mixes_every_bit(n):
+    """The Feistel halves cover all of index's bits, so no bit passes through unmixed: the first half of
+    an epoch reads about half of its sequences from the second half of the corpus (with a bit left out of
+    the rounds, indices below 2^(bits-1) would stay there and the epoch would read the corpus's first
+    half first)."""
+    for key in range(5):
+        out = permute(np.arange(n // 2), n, key, 0)
+        assert 0.4 < (out >= n // 2).mean() < 0.6
+
+
+def test_hash_keys_is_splitmix64_chained_over_the_keys():
+    """hash_keys against a pure-Python splitmix64 chain h <- mix(h * golden + k + 1): every coordinate counts,
+    a leading zero included (without the + 1, hash_keys(0, k) would equal hash_keys(k) and seed 0 would drop
+    out of the keys), and uniform takes the top 53 bits."""
+    from poslab.data.rng import hash_keys, uniform
+
+    m = (1 << 64) - 1
+
+    def mix(x):
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
+        return x ^ (x >> 31)
+
+    def reference(*keys):
+        h = 0
+        for k in keys:
+            h = mix((h * 0x9E3779B97F4A7C15 + (k & m) + 1) & m)
+        return h
+
+    for keys in [(0,), (5,), (0, 5), (0, 0, 5), (3, 1, 7, 2), (2**40, 9), (-1, 4)]:
+        assert int(hash_keys(*keys)) == reference(*keys)
+        assert float(uniform(*keys)) == (reference(*keys) >> 11) / 2**53
+    assert int(hash_keys(0, 5)) != int(hash_keys(5))
+
+
 @given(st.integers(1, 5000), st.integers(0, 2**31))
 @settings(max_examples=40, deadline=None)
 def test_permute_is_a_bijection(n, key):
@@ -162,6 +215,32 @@ def test_masking_rates_and_specials(prepared, style, rate, mask_share, random_sh
     assert abs(chosen / maskable - rate) < 0.01
     assert abs(as_mask / chosen - mask_share) < 0.03
     assert abs(as_random / chosen - random_share) < 0.03
+
+
+def test_random_replacements_are_never_special_tokens(prepared):
+    """BERT-style masking's random replacements are drawn from the content vocabulary only: with a 0.9 rate
+    some thousand replacements are drawn, and none is [CLS], [SEP], [PAD] or [UNK]."""
+    source = build_mlm_source(0, prepared=str(prepared), masking={"style": "bert", "rate": 0.9})
+    clean = build_lm_source(0, prepared=str(prepared))
+    special = torch.tensor([i for role, i in source.corpus.special_ids.items() if i is not None and role != "mask"])
+    replaced = 0
+    for step in range(3):
+        batch, original = source.train_batch(step, 64), clean.train_batch(step, 64)["input_ids"]
+        changed = batch["input_ids"] != original
+        drawn = batch["input_ids"][changed & (batch["input_ids"] != source.mask_token_id)]
+        assert not torch.isin(drawn, special).any()
+        replaced += len(drawn)
+    assert replaced > 1000
+
+
+def test_evaluation_masks_of_different_splits_are_drawn_independently(prepared):
+    """Evaluation masks are keyed by the split as well as the sequence: sequence i of validation and
+    sequence i of train (both packed, so every content slot is maskable text or [SEP]) share about a
+    rate's share of their masked positions, not all of them."""
+    source = build_mlm_source(0, prepared=str(prepared), seq_len=64)
+    picks = {split: next(iter(source.eval_batches(split, 16)))["labels"] != -100 for split in ("train", "validation")}
+    both = (picks["train"] & picks["validation"]).sum().item()
+    assert both < 0.5 * min(p.sum().item() for p in picks.values())
 
 
 def test_masking_rate_is_configurable(prepared):
@@ -214,6 +293,21 @@ def test_lm_labels_and_batch_keys(prepared):
     assert set(lean) == {"input_ids", "labels", "attention_mask"}
 
 
+def test_lm_labels_are_minus_100_exactly_at_padding(prepared):
+    """Every sequence of a split, one document per row (so short chunks are padded): LM labels are the input
+    ids on real tokens and -100 on every pad, and the pads lie after the real tokens (right padding)."""
+    source = build_lm_source(0, prepared=str(prepared), seq_len=40, packing=False)
+    batches = list(source.eval_batches("validation", 16)) + [source.train_batch(0, 64)]
+    pads = 0
+    for batch in batches:
+        real = batch["attention_mask"] == 1
+        assert torch.equal(batch["labels"][real], batch["input_ids"][real])
+        assert (batch["labels"][~real] == -100).all() and (batch["input_ids"][~real] == source.pad_token_id).all()
+        assert torch.equal(real, torch.arange(40) < real.sum(1, keepdim=True))  # real tokens first
+        pads += (~real).sum().item()
+    assert pads > 100  # the check above is not vacuous
+
+
 # -- tokenizers --------------------------------------------------------------------------------------------
 
 
@@ -235,6 +329,58 @@ def test_bpe_labels_align(tmp_path):
             in_sentence = (labels["doc_id"] == doc_id) & (labels["sentence_index"] == k)
             assert tok.decode(ids[in_sentence].tolist()) == sentence
     assert paragraphs_seen > 3
+
+
+def test_a_sentence_without_tokens_gets_none_and_the_next_keeps_its_labels(tmp_path):
+    """A paragraph of control characters (which the WordPiece normaliser drops) is a sentence without
+    tokens: no token gets its index, and the sentence after it keeps index 2, paragraph 2 and its tokens.
+    A document of nothing else has no tokens and is dropped (its id unused, no lone [SEP]); a tokenless
+    sentence closing the last document of the corpus is no error."""
+    corpus = tmp_path / "c.jsonl"
+    docs = [f"Plain words in document {i}.\n\n\u0001\u0002\n\nBye now, friend." for i in range(30)]
+    docs[5] = "\u0001\u0002"
+    docs[29] += "\n\n\u0003"
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    out = tmp_path / "p"
+    prepare(_config(source={"type": "jsonl", "paths": str(corpus)}, tokenizer={**TOKENIZER, "vocab_size": 200},
+                    validation_documents=0), out)
+    data, tok = PreparedCorpus(out).split("train"), load_tokenizer(out / "tokenizer")
+    labels, ids = data.structure(np.arange(data.n_tokens)), data.tokens(np.arange(data.n_tokens))
+    assert data.n_documents == 29 and not np.isin(labels["sentence_index"], [1, 3]).any()
+    assert set(labels["doc_id"].tolist()) == set(range(30)) - {5} | {-1}
+    assert (ids == PreparedCorpus(out).special_ids["sep"]).sum() == 29  # one [SEP] per kept document
+    for doc_id in set(range(30)) - {5}:
+        in_doc = labels["doc_id"] == doc_id
+        np.testing.assert_array_equal(labels["pos_in_document"][in_doc], np.arange(in_doc.sum()))
+        last = in_doc & (labels["sentence_index"] == 2)
+        assert ids[last].tolist() == tok.encode("Bye now, friend.", add_special_tokens=False).ids
+        assert set(labels["paragraph_index"][last]) == {2} and set(labels["sentence_in_paragraph"][last]) == {0}
+        np.testing.assert_array_equal(labels["pos_in_sentence"][last], np.arange(last.sum()))
+        np.testing.assert_array_equal(labels["pos_in_paragraph"][last], np.arange(last.sum()))
+
+
+def test_special_tokens_keep_their_ids_and_no_content_token_shares_one(prepared):
+    """Canonical numbering moves only content tokens: the special tokens keep the first ids, in the
+    configured order, as the trainer gave them; each is the id the tokenizer adds it with, and no content
+    token holds a special token's id (or any id twice)."""
+    assert PreparedCorpus(prepared).special_ids == {"cls": 0, "sep": 1, "pad": 2, "mask": 3, "unk": 4}
+    data = json.loads(load_tokenizer(prepared / "tokenizer").to_str())
+    vocab, added = data["model"]["vocab"], {t["content"]: t["id"] for t in data["added_tokens"]}
+    assert added and all(vocab[token] == i for token, i in added.items())
+    assert len(set(vocab.values())) == len(vocab) == 600
+    specials = {i for i in PreparedCorpus(prepared).special_ids.values() if i is not None}
+    assert specials == set(added.values())
+    assert specials.isdisjoint(i for token, i in vocab.items() if token not in added)
+
+
+def test_saved_tokenizer_adds_cls_and_sep_like_the_pipeline(prepared):
+    """The transformers tokenizer saved with the data encodes a text as [CLS] + its tokens + [SEP], as the
+    sequences the models train on begin with [CLS] and close documents with [SEP]."""
+    corpus = PreparedCorpus(prepared)
+    text = "Initially, the model reads a sentence."
+    plain = load_tokenizer(prepared / "tokenizer").encode(text, add_special_tokens=False).ids
+    ids = corpus.special_ids
+    assert corpus.tokenizer(text)["input_ids"] == [ids["cls"]] + plain + [ids["sep"]]
 
 
 def test_local_tokenizer_directory_and_missing_specials(prepared, tmp_path):

@@ -28,6 +28,8 @@ from poslab.errors import ConfigError, DataError
     ("It ended (finally.) Then more.", ["It ended (finally.)", "Then more."]),
     ("東京に行った。大阪にも行った。 Then home.", ["東京に行った。", "大阪にも行った。", "Then home."]),
     ("A line\nwrapped mid sentence. Next.", ["A line wrapped mid sentence.", "Next."]),
+    ("The vote was 5 to 4. 10 members abstained.", ["The vote was 5 to 4.", "10 members abstained."]),
+    ('He paused. ("well," she said.) Then more.', ['He paused. ("well," she said.)', "Then more."]),
     ("Odd\u00a0spaces.\u2003Next\u3000one.  Then\tmore.", ["Odd spaces.", "Next one.", "Then more."]),
 ])
 def test_sentence_splitter(text, expected):
@@ -48,6 +50,7 @@ def test_paragraphs_at_blank_lines():
     text = "First para. Two.\n\n\nSecond para.\n  \nThird\nstill third.\n"
     assert split_paragraphs(text) == ["First para. Two.", "Second para.", "Third\nstill third."]
     assert segment(text) == [["First para.", "Two."], ["Second para."], ["Third still third."]]
+    assert split_paragraphs("\n\n  \nOnly one.\n\n\n") == ["Only one."]  # no empty paragraph at either end
 
 
 _word = st.text(alphabet="abcdefghijklmnopqrstuvwxyz", min_size=2, max_size=8)
@@ -133,6 +136,9 @@ def test_text_source_files_directories_and_separators(tmp_path):
     assert docs == [[["One.", "Two."], ["Three."]], [["Four.", "<doc> Five.", "Six."]]]
     docs = list(TextSource(paths=[str(tmp_path / "d")], doc_separator="<doc>", max_documents=2).documents())
     assert docs == [[["One.", "Two."], ["Three."]], [["Four."]]]
+    (tmp_path / "e.txt").write_text("Alpha one.\n<doc>\nBeta two.\n\nGamma three.\n <doc> \nDelta four.\n")
+    docs = list(TextSource(paths=str(tmp_path / "e.txt"), doc_separator="<doc>").documents())
+    assert docs == [[["Alpha one."]], [["Beta two."], ["Gamma three."]], [["Delta four."]]]  # each its own text
 
 
 def test_missing_files_are_data_errors(tmp_path):

@@ -374,6 +374,34 @@ def test_params_command_prints_counts_and_the_matching_width(capsys):
     assert f"matching rope_neobert: {ready_config('dstg', 'quick')['ffn_hidden']}" in out
 
 
+@pytest.mark.parametrize("ffn_hidden, ap_units", [(69, 17), (71, 18), (96, 24), (None, 21)])
+def test_ffn_ap_share_is_the_nearest_whole_number_of_units(ffn_hidden, ap_units):
+    """round(ffn_hidden * d_ap / d_model) hidden units write to AP (d_ap / d_model = 8 / 32 here): 69 -> 17.25
+    -> 17, 71 -> 17.75 -> 18; the default width int(8 * 32 / 3) = 85 -> 21.25 -> 21. The built block has them."""
+    m = model(ffn_hidden=ffn_hidden)
+    mlp = m.model.blocks[0].mlp
+    size = ffn_hidden or 85
+    assert m.config.spec.ffn_size == size and m.config.spec.ffn_ap == ap_units
+    assert mlp.down["ap"].in_features == ap_units and mlp.down["sem"].in_features == size - ap_units
+    assert mlp.gate_up.out_features == 2 * size
+
+
+def test_matched_ffn_width_is_the_closest_by_direct_search():
+    """match_ffn_hidden returns the width whose count is closest to the target, checked against counting every
+    width in the range: a target just below a width's count and one just above both give that width (the
+    next-larger or next-smaller width of the bracket would be off by one)."""
+    from poslab.models.dstg import match_ffn_hidden
+
+    values = cfg(n_layers=1)
+    counts = {h: count_parameters({**values, "ffn_hidden": h}) for h in range(40, 80)}
+    assert all(counts[h] < counts[h + 1] for h in range(40, 79))
+    for h in (50, 63, 64, 71):
+        step = min(counts[h] - counts[h - 1], counts[h + 1] - counts[h])
+        for target in (counts[h] - step // 3, counts[h] + step // 3, counts[h]):
+            closest = min(counts, key=lambda w: abs(counts[w] - target))
+            assert closest == h and match_ffn_hidden(values, target) == h
+
+
 @pytest.mark.parametrize("scale", ["quick", "smoke"])
 def test_recipe_model_sections_apply_widths_and_stay_parameter_matched(scale):
     from poslab.experiments import dstg as recipe

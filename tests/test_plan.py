@@ -99,3 +99,34 @@ def test_plan_refuses_another_scales_directory(tmp_path, capsys):
     assert main(["reproduce", "frequencies", "--scale", "paper", "--plan", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"poslab: error: {tmp_path} holds smoke-scale trainings") and err.count("\n") == 1
+
+
+def test_plan_counts_a_started_runs_model_with_the_vocabulary_it_reached(tmp_path):
+    """A corpus's tokenizer size is only a cap; a run that has started saved the vocabulary it reached in
+    its config.yaml, and the plan counts that model's parameters and FLOPs."""
+    from poslab.experiments import indirect_indexing
+    from poslab.train import RunConfig
+
+    config, run_dir = indirect_indexing.runs("smoke", tmp_path / "indirect-indexing")["pope", 0]
+    fresh = planning._training(("indirect-indexing",), config, run_dir, tmp_path)
+    saved = RunConfig.from_dict(config).to_dict()
+    saved["model"]["vocab_size"] += 7
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
+    reached = planning._training(("indirect-indexing",), config, run_dir, tmp_path)
+    assert reached.parameters == build_model(saved["model"]).num_parameters() != fresh.parameters
+
+
+def test_render_counts_a_shared_training_once_with_its_first_recipe():
+    """The per-recipe totals: a training two recipes read counts with the first of them only, and the total
+    row adds every training once."""
+    def training(recipes, flops, left):
+        return planning.Training(recipes=recipes, directory=f"{recipes[0]}/runs/{flops:g}", model="m", parameters=1,
+                                 sequence=8, tokens=80, flops=flops, status="s", left=left)
+
+    trainings = [training(("a",), 1e3, 1e3), training(("b", "c"), 2e3, 0.0), training(("c",), 4e3, 1e3)]
+    lines = planning.render(trainings, "smoke").splitlines()
+    assert "| a | 1 | 1e+03 | 1e+03 |" in lines
+    assert "| b | 1 | 2e+03 | 0 |" in lines
+    assert "| c | 1 | 4e+03 | 1e+03 |" in lines
+    assert "| total | 3 | 7e+03 | 2e+03 |" in lines
