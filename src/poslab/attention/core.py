@@ -94,9 +94,9 @@ def attend(
 def _sdpa_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive: torch.Tensor, scale: float
                ) -> torch.Tensor:
     """SDPA's math path as torch computes it for fp32/fp64 on the CPU (sqrt(scale) on q and on k), with a
-    plain softmax where torch calls ``_safe_softmax``. Its guard against wholly masked rows costs a third of
-    the call forward and backward (DSTG's and T5's trained biases take this path), and ``mask_bias`` never
-    masks a whole row, so the result and every gradient are the same bit for bit
+    plain softmax where torch calls ``_safe_softmax``. Its guard against wholly masked rows costs 5-38% of the
+    call forward and backward (benchmarks/attention.py; DSTG's and T5's trained biases take this path), and
+    ``mask_bias`` never masks a whole row, so the result and every gradient are the same bit for bit
     (tests/test_models.py::test_cpu_math_path_is_sdpa_bit_for_bit). q, k (b, h, n, d), v (b, h, m, d_v),
     additive (b or 1, h, n, m) -> (b, h, n, d_v)."""
     root = math.sqrt(scale)

@@ -235,8 +235,9 @@ KEPT_MEMORY = ((M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 1 << 30), (M_TOP
 def keep_freed_memory() -> bool:
     """Make glibc keep what a training step frees for the next step, where by default it unmaps large blocks
     and trims the heap, and every step faults the same pages in again: 15-16k page faults per step of the quick
-    PoPE LM, ~3k of DSTG's (benchmarks/train_memory.py, BENCHMARKS.md). The trained numbers do not change. For processes that train small models one step after another (the reproduction's workers);
-    False where the C library has no mallopt (not glibc)."""
+    PoPE LM, ~3k of DSTG's (benchmarks/train_memory.py, BENCHMARKS.md). The trained numbers do not change. For
+    processes that train small models one step after another (the reproduction's workers); False where the C
+    library has no mallopt (not glibc)."""
     try:
         mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
     except (OSError, AttributeError, TypeError):
