@@ -316,7 +316,7 @@ def test_output_path_that_is_a_file(tmp_path, capsys):
 def test_list(capsys):
     assert main(["reproduce", "--list"]) == 0
     names = [line.split("\t")[0] for line in capsys.readouterr().out.splitlines()]
-    assert names == ["adjacency", "indirect-indexing", "extrapolation", "frequencies", "dstg"]
+    assert names == ["adjacency", "indirect-indexing", "extrapolation", "frequencies", "pope-ablation", "dstg"]
 
 
 @pytest.mark.slow
@@ -333,11 +333,11 @@ def test_every_recipe_runs_end_to_end_at_smoke_scale(tmp_path):
             assert (tmp_path / figure).is_file(), figure
     assert (tmp_path / "report.md").read_text().startswith("# poslab reproduction (smoke scale)")
     # The quick scale's notes on failed claims name their claims by opening words, which no scale changes.
-    from poslab.experiments import adjacency, dstg, extrapolation, frequencies, indirect_indexing
+    from poslab.experiments import adjacency, dstg, extrapolation, frequencies, indirect_indexing, pope_ablation
     quick_tried = {"adjacency": adjacency.SCALES["quick"]["tried"], "dstg": dstg.SCALES["quick"]["tried"],
                    "indirect-indexing": indirect_indexing.SCALES["quick"]["tried"],
                    "extrapolation": extrapolation.SCALES["quick"]["tried"],
-                   "frequencies": frequencies.TRIED["quick"]}
+                   "frequencies": frequencies.TRIED["quick"], "pope-ablation": pope_ablation.TRIED["quick"]}
     for name, tried in quick_tried.items():
         claims.tried_notes([claims.Claim(**c) for c in data["recipes"][name]["claims"]], tried)  # raises if unmatched
     details = data["recipes"]["dstg"]["details"]
@@ -1015,6 +1015,47 @@ def test_frequency_claims_read_entropy_and_fastest_quarter_of_layers_after_the_f
     assert high.ours == pytest.approx({"pope": 0.2125, "rope": 0.5}) and not high.held  # q and k, layers 2 and 3
     assert result.tables[0]["rows"][0][1:] == pytest.approx([0.0, 1.0])  # layer 1 shown, not judged
     assert frequencies.spread([3.0, 3.0, 0.0, 0.0]) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("scale", ["smoke", "quick", "paper"])
+def test_pope_ablations_change_only_the_schemes_option_and_share_the_full_model(scale, tmp_path):
+    """Each ablation is the extrapolation recipe's PoPE language model (at paper scale the 124M) with one PoPE
+    option changed, on the data that recipe prepares; "full" is that very run, trained once for both."""
+    from poslab.experiments import extrapolation, pope_ablation
+
+    trainings = pope_ablation.runs(scale, tmp_path / "pope-ablation")
+    full_config, full_dir = extrapolation.runs(scale, tmp_path / "extrapolation")["pope"]
+    assert trainings["full"] == (full_config, full_dir)
+    options = {"no softplus": {"magnitude": "identity"}, "relu": {"magnitude": "relu"},
+               "no delta": {"learn_delta": False}}
+    assert set(trainings) == {"full", *options}
+    for name, opts in options.items():
+        config, out = trainings[name]
+        assert out == tmp_path / "pope-ablation" / "runs" / name.replace(" ", "-")
+        assert config["model"].pop("positional") == {"name": "pope", "options": opts}
+        assert config == {**full_config, "model": {k: v for k, v in full_config["model"].items() if k != "positional"}}
+        assert config["data"]["cache_dir"] == str(tmp_path / "extrapolation" / "data")
+
+
+def test_pope_ablation_claims_compare_each_ablations_held_out_loss_with_full_popes(tmp_path, monkeypatch):
+    from poslab.experiments import pope_ablation
+
+    losses = {"full": 3.0, "no softplus": 3.2, "relu": 2.9, "no delta": 3.0}
+    monkeypatch.setattr(pope_ablation, "ensure_runs",
+                        lambda runs, *args, **kwargs: {name: {"eval_loss": losses[name], "train_loss": 0.0}
+                                                       for name in runs})
+    result = pope_ablation.run("smoke", tmp_path / "pope-ablation", log=lambda _: None)
+    softplus, relu, delta = result.claims
+    assert softplus.ours == {"full": 3.0, "no softplus": 3.2} and softplus.held
+    assert relu.ours == {"full": 3.0, "relu": 2.9} and not relu.held
+    assert delta.ours == {"full": 3.0, "no delta": 3.0} and not delta.held  # a tie is not better
+    assert [c.paper for c in result.claims] == ["perplexity 21.33 vs 21.57", "perplexity 21.33 vs 21.55",
+                                                "perplexity 21.33 vs 21.42"]
+    rows = {row[0]: row for row in result.tables[0]["rows"]}
+    assert rows["relu"][1:4] == ["magnitude: relu", 2.9, pytest.approx(math.exp(2.9))]
+    assert rows["no delta"][1] == "learn_delta: false" and rows["full"][1] == "defaults"
+    assert (tmp_path / result.figures[0]).is_file()
+    assert pope_ablation.perplexity(800.0) == math.inf and math.isnan(pope_ablation.perplexity(math.nan))
 
 
 def test_indirect_indexing_claims_read_the_mean_over_seeds(tmp_path, monkeypatch):

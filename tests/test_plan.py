@@ -73,7 +73,8 @@ def test_paper_plan_from_the_command_line_writes_nothing(tmp_path, capsys):
     rows = {cells[1]: cells for cells in ([c.strip() for c in line.strip("|").split(" | ")] for line in text.splitlines()
                                           if line.startswith("| ") and "/runs/" in line)}
     assert rows["adjacency/runs/nope-addition-s0"][3] == "10.6M"
-    assert rows["extrapolation/runs/pope"][0] == "extrapolation, frequencies"
+    assert rows["extrapolation/runs/pope"][0] == "extrapolation, frequencies, pope-ablation"
+    assert rows["pope-ablation/runs/no-delta"][3] == "123.6M"  # the paper's ablations are of its 124M model
     assert rows["extrapolation/runs/pope"][3] == "123.6M"
     assert rows["indirect-indexing/runs/rope-half-s0"][2] == "decoder, rope (fraction=0.5), 8 x 512"
     assert 4e16 < float(rows["indirect-indexing/runs/rope-s0"][6]) < 6e16

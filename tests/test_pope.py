@@ -138,6 +138,75 @@ def test_fixed_delta_stays_fixed_through_from_pretrained(tmp_path):
     assert not any("delta" in name for name, p in loaded.named_parameters() if p.requires_grad)
 
 
+@pytest.mark.parametrize("magnitude,by_hand", [("relu", lambda x: max(x, 0.0)), ("identity", lambda x: x),
+                                                ("softplus", lambda x: math.log1p(math.exp(x)))])
+def test_ablation_magnitudes_enter_the_score_and_the_model(magnitude, by_hand):
+    """The paper's ablations: ReLU or no softplus (the raw component) in place of softplus, each computed by hand
+    in one component's term, then through a model's eager logits and its SDPA path."""
+    q, k = torch.randn(1, 2, 5, 6, dtype=torch.float64), torch.randn(1, 2, 7, 6, dtype=torch.float64)
+    delta = -torch.rand(2, 6, dtype=torch.float64) * 2 * math.pi
+    theta = pope_frequencies(6).double()
+    got = pope_scores(q, k, delta, magnitude=magnitude)
+    for h, t, s in [(0, 0, 0), (1, 4, 2), (0, 3, 6)]:
+        expected = sum(by_hand(q[0, h, t, c].item()) * by_hand(k[0, h, s, c].item())
+                       * math.cos((s - t) * theta[c].item() + delta[h, c].item()) for c in range(6))
+        assert got[0, h, t, s].item() == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    pos = torch.arange(7)
+    cart = pope_polar(q, pos[2:], theta, magnitude=magnitude) @ pope_polar(k, pos, theta, delta,
+                                                                          magnitude=magnitude).transpose(-1, -2)
+    torch.testing.assert_close(cart, pope_scores(q, k, delta, q_positions=pos[2:], magnitude=magnitude))
+
+    model, sdpa = pope_model("eager", magnitude=magnitude), pope_model("sdpa", magnitude=magnitude)
+    x = torch.randint(0, 40, (2, 11))
+    cache = ActivationCache(["blocks.0.attn.logits.content", "blocks.0.attn.freq_norms.q"])
+    logits = model(x, capture=cache).logits
+    torch.testing.assert_close(sdpa(x).logits, logits, rtol=1e-5, atol=1e-5)
+    attn = model.model.blocks[0].attn
+    mq, mk, _ = attn.qkv(model.model.blocks[0].attn_norm(model.model.embed(x))).view(2, 11, 3, 2, 16).permute(
+        2, 0, 3, 1, 4)
+    delta = model.model.layer_positional[0].delta
+    torch.testing.assert_close(cache["blocks.0.attn.logits.content"],
+                               (pope_scores(mq, mk, delta, magnitude=magnitude) / math.sqrt(16)).float(),
+                               rtol=1e-4, atol=1e-5)
+    # Frequency usage reads magnitudes: a negative raw component is a positive magnitude at the opposite phase.
+    norms = {"relu": mq.relu(), "identity": mq.abs(), "softplus": torch.nn.functional.softplus(mq)}[magnitude]
+    torch.testing.assert_close(cache["blocks.0.attn.freq_norms.q"], norms.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_an_unknown_magnitude_is_refused_in_one_line():
+    from poslab.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="pope.magnitude must be one of softplus, relu, identity, got 'tanh'"):
+        pope_model("sdpa", magnitude="tanh")
+
+
+def test_ablation_magnitudes_survive_from_pretrained_and_leave_the_fused_kernel(tmp_path, monkeypatch):
+    """The option is saved with the model. The fused kernel computes softplus itself: for inputs it would take
+    (a CUDA tensor, here a stand-in), softplus PoPE calls it and the ablations go the Cartesian way."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    import poslab.kernels as kernels
+    pytest.importorskip("triton")
+    import poslab.kernels.pope_flash as flash
+
+    model = pope_model("auto", magnitude="relu")
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert loaded.model.layer_positional[0].magnitude == "relu"
+    x = torch.randint(0, 40, (1, 9))
+    torch.testing.assert_close(loaded(x).logits, model(x).logits)
+
+    monkeypatch.setattr(kernels, "fused_pope_supports", lambda q: True)
+    monkeypatch.setattr(flash, "pope_flash_attention", lambda *args, **kwargs: "fused")
+    cuda_like, pos = SimpleNamespace(is_cuda=True), torch.arange(9)[None]
+    for magnitude, expected in [("softplus", "fused"), ("relu", None), ("identity", None)]:
+        layer = pope_model("auto", magnitude=magnitude).model.layer_positional[0]
+        assert layer.fused_attention(cuda_like, None, None, pos, pos, causal=True, scale=1.0,
+                                     key_padding=None) == expected, magnitude
+
+
 def test_long_positions_keep_phase_precision():
     """Phases are formed in fp32 even for bf16 inputs, so position 10^6 still rotates correctly."""
     theta = pope_frequencies(8)

@@ -17,6 +17,7 @@ __all__ = [
     "adjacency_score",
     "cosine_self_similarity",
     "pope_frequencies",
+    "POPE_MAGNITUDES",
     "pope_polar",
     "pope_scores",
     "pope_attention",
@@ -28,10 +29,21 @@ def pope_frequencies(d: int, base: float = 10000.0, device=None) -> torch.Tensor
     return base ** (-torch.arange(d, device=device, dtype=torch.float32) / d)
 
 
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+#: How PoPE turns a q/k component into its magnitude: softplus (the paper's PoPE), and the paper's 124M
+#: ablations ReLU and "no softplus" (identity: the raw component, whose sign then turns the phase by pi).
+POPE_MAGNITUDES = {"softplus": F.softplus, "relu": F.relu, "identity": _identity}
+
+
 def pope_polar(
-    x: torch.Tensor, positions: torch.Tensor, theta: torch.Tensor, phase_bias: torch.Tensor | None = None
+    x: torch.Tensor, positions: torch.Tensor, theta: torch.Tensor, phase_bias: torch.Tensor | None = None,
+    magnitude: str = "softplus",
 ) -> torch.Tensor:
-    """PoPE's Cartesian form: [mu cos(phi), mu sin(phi)] with mu = softplus(x), phi = pos * theta (+ bias).
+    """PoPE's Cartesian form: [mu cos(phi), mu sin(phi)] with mu = softplus(x) (or another of
+    ``POPE_MAGNITUDES``), phi = pos * theta (+ bias).
 
     x (batch, heads, n, d); positions (n,) or (batch, n); theta (d,); phase_bias (heads, d) or None.
     Returns (batch, heads, n, 2d) in x's dtype, computed in fp32 (fp64 for fp64 x). pos * theta is formed
@@ -45,15 +57,16 @@ def pope_polar(
     phase = torch.remainder(pos * theta.to(torch.float64), 2 * math.pi).to(compute)  # (b|1, 1, n, d)
     if phase_bias is not None:
         phase = phase + phase_bias.to(compute)[None, :, None, :]
-    mu = F.softplus(x.to(compute))
+    mu = POPE_MAGNITUDES[magnitude](x.to(compute))
     return torch.cat([mu * torch.cos(phase), mu * torch.sin(phase)], dim=-1).to(x.dtype)
 
 
 def pope_scores(
     q: torch.Tensor, k: torch.Tensor, delta: torch.Tensor | None = None, base: float = 10000.0,
-    q_positions: torch.Tensor | None = None, k_positions: torch.Tensor | None = None,
+    q_positions: torch.Tensor | None = None, k_positions: torch.Tensor | None = None, magnitude: str = "softplus",
 ) -> torch.Tensor:
-    """The explicit formula a_ts = sum_c mu_q,c mu_k,c cos((s - t) theta_c + delta_c), unscaled.
+    """The explicit formula a_ts = sum_c mu_q,c mu_k,c cos((s - t) theta_c + delta_c), unscaled; mu = softplus
+    (or another of ``POPE_MAGNITUDES``).
 
     q (batch, heads, n, d), k (batch, heads, m, d) -> (batch, heads, n, m). O(n m d) memory: a
     reference for tests, not a fast path.
@@ -65,7 +78,7 @@ def pope_scores(
     rel = (s.double()[None, :] - t.double()[:, None])[None, :, :, None] * theta  # (1, n, m, d)
     delta = torch.zeros(q.shape[1], d, dtype=torch.float64, device=q.device) if delta is None else delta.double()
     rel = rel + delta[:, None, None, :]  # (heads, n, m, d)
-    mu_q, mu_k = F.softplus(q.double()), F.softplus(k.double())
+    mu_q, mu_k = POPE_MAGNITUDES[magnitude](q.double()), POPE_MAGNITUDES[magnitude](k.double())
     return torch.einsum("bhnc,bhmc,hnmc->bhnm", mu_q, mu_k, torch.cos(rel)).to(q.dtype)
 
 

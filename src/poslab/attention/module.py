@@ -58,7 +58,7 @@ class MultiHeadAttention(nn.Module):
                 return self.out(fused.transpose(1, 2).reshape(b, n, -1))
         if self.backend == "triton":
             raise ConfigError("attn_backend 'triton' needs a CUDA GPU with Triton and a scheme that has a fused "
-                              "kernel (pope); use attn_backend 'auto' or 'sdpa'")
+                              "kernel (pope, with its softplus magnitudes); use attn_backend 'auto' or 'sdpa'")
 
         bias, k_positions = None, positions
         if pos is not None:

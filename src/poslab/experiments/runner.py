@@ -47,6 +47,8 @@ RECIPES: dict[str, tuple[str, str]] = {
     "extrapolation": ("poslab.experiments.extrapolation:run",
                       "train at length L, evaluate to 10L: PoPE vs RoPE vs RoPE+YaRN"),
     "frequencies": ("poslab.experiments.frequencies:run", "frequency-usage heatmaps, RoPE vs PoPE"),
+    "pope-ablation": ("poslab.experiments.pope_ablation:run",
+                      "PoPE's language model without softplus, with ReLU, without delta"),
     "dstg": ("poslab.experiments.dstg:run",
              "MLM pretraining of DSTG and its baselines: AP spectra, head taxonomy, structure probes"),
 }

@@ -7,6 +7,9 @@ sum_c mu_q,c mu_k,c cos((s - t) theta_c + delta_c). Attention runs it in its Car
 q~ = [mu cos phi, mu sin phi] of width 2d, so any dot-product kernel applies; on CUDA the fused Triton
 kernel computes the polar transform inside attention instead.
 
+Two options give the paper's 124M ablations (experiments/pope_ablation.py): ``magnitude`` relu or identity
+("no softplus") in place of softplus, and ``learn_delta: false`` (delta stays at its init).
+
 The clamp is applied where delta is used (a clamped view of an unconstrained parameter), so no
 training loop has to remember to project it. It is a straight-through clamp: a plain clamp has zero
 gradient outside the range, and from the zero init every component whose first update points upward
@@ -21,7 +24,7 @@ from torch import nn
 from transformers import initialization as init
 
 from poslab.errors import require
-from poslab.functional import pope_frequencies, pope_polar
+from poslab.functional import POPE_MAGNITUDES, pope_frequencies, pope_polar
 from poslab.positional.base import AttentionGeometry, LayerPositional, Scheme
 from poslab.positional.options import options_dataclass
 
@@ -35,9 +38,13 @@ class PoPEOptions:
     #: "zero" generalises better in length, "uniform" (U(-2pi, 0)) is slightly better in distribution.
     delta_init: str = "zero"
     learn_delta: bool = True
+    #: softplus (PoPE); relu and identity are the paper's ablations, run without the fused kernel.
+    magnitude: str = "softplus"
 
     def __post_init__(self) -> None:
         require(self.base > 1, f"pope.base must be > 1, got {self.base}")
+        require(self.magnitude in POPE_MAGNITUDES,
+                f"pope.magnitude must be one of {', '.join(POPE_MAGNITUDES)}, got '{self.magnitude}'")
         require(self.delta_init in DELTA_INITS,
                 f"pope.delta_init must be one of {', '.join(DELTA_INITS)}, got '{self.delta_init}'")
 
@@ -48,6 +55,7 @@ class PolarLayer(LayerPositional):
     def __init__(self, opts: PoPEOptions, n_heads: int, head_dim: int) -> None:
         super().__init__()
         self.base = opts.base
+        self.magnitude = opts.magnitude
         self.register_buffer("theta", pope_frequencies(head_dim, opts.base), persistent=False)
         self.delta_init = opts.delta_init
         if opts.learn_delta:
@@ -76,18 +84,23 @@ class PolarLayer(LayerPositional):
         return raw.detach().clamp(-2 * math.pi, 0.0) + (raw - raw.detach())
 
     def transform_qk(self, q, k, q_pos, k_pos):
-        return pope_polar(q, q_pos, self.theta), pope_polar(k, k_pos, self.theta, self.delta)
+        return (pope_polar(q, q_pos, self.theta, magnitude=self.magnitude),
+                pope_polar(k, k_pos, self.theta, self.delta, magnitude=self.magnitude))
 
     def qk_frequency_norms(self, q, k):
-        """Softplus magnitudes per component, (..., d) for q and k."""
-        return torch.nn.functional.softplus(q.float()), torch.nn.functional.softplus(k.float())
+        """Magnitudes per component, (..., d) for q and k: softplus (|x| without it: a negative component is a
+        positive magnitude at the opposite phase)."""
+        magnitude = POPE_MAGNITUDES[self.magnitude]
+        return magnitude(q.float()).abs(), magnitude(k.float()).abs()
 
     def fused_attention(self, q, k, v, q_pos, k_pos, *, causal, scale, key_padding):
         from poslab.kernels import fused_pope_supports
 
         # The kernel takes positions as start offsets, so it serves position rows shared by the batch
-        # that count up by one; anything else goes the Cartesian way.
-        if not q.is_cuda or not fused_pope_supports(q) or not (_is_range(q_pos) and _is_range(k_pos)):
+        # that count up by one; anything else goes the Cartesian way. It computes softplus and its
+        # derivative itself, so the ablations' magnitudes go that way too.
+        if (self.magnitude != "softplus" or not q.is_cuda or not fused_pope_supports(q)
+                or not (_is_range(q_pos) and _is_range(k_pos))):
             return None
         from poslab.kernels.pope_flash import pope_flash_attention
 
