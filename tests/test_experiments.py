@@ -54,6 +54,10 @@ def test_claims_hold_at_their_bounds_and_need_every_value():
     assert not claims.all_of("c", "x", {"32": 1.2, "48": 1.05}, 1.1, above=False).held
     assert not claims.all_of("c", "x", {"t1": math.nan, "t2": 0.9}, 0.8).held
     assert claims.exceeds("c", "x", {"a": 0.9, "b": 0.6}, "a", "b", margin=0.3).held
+    pairs = claims.all_exceed("c", "x", {"t1": 0.9, "t2": 0.7}, {"t1": 0.8, "t2": 0.69}, ("first", "last"))
+    assert pairs.held and pairs.ours == {"t1 first": 0.9, "t1 last": 0.8, "t2 first": 0.7, "t2 last": 0.69}
+    assert not claims.all_exceed("c", "x", {"t1": 0.9, "t2": 0.7}, {"t1": 0.8, "t2": 0.7}, ("a", "b")).held
+    assert not claims.all_exceed("c", "x", {"t1": 0.9, "t2": math.nan}, {"t1": 0.8, "t2": 0.7}, ("a", "b")).held
 
 
 def test_what_was_tried_is_noted_only_for_claims_that_did_not_hold():
@@ -1123,8 +1127,13 @@ def test_adjacency_claims_average_seeds_and_judge_every_task_and_the_worse_init(
         def batches(self, *args):
             return []
 
+    # (task, seed) -> the trained last layer's output: reversal ties the first layer's 0.9, which is not above it
+    last = {("addition", 0): 0.7, ("addition", 1): 0.8, ("reversal", 0): 1.0, ("reversal", 1): 0.8,
+            ("indexing", 0): 0.5, ("indexing", 1): 0.6, ("ordering", 0): 0.9, ("ordering", 1): 0.99}
+
     def analysis(run, opts):
         scores = {label: {first: {"mean": layer[run.task, run.seed][i]},
+                          "blocks.1.attn_out": {"mean": last[run.task, run.seed] if label == "trained" else 1.0},
                           "embed": {"mean": embed[run.seed][i] + (shift[run.task] if label == "init" else 0.0)}}
                   for i, label in enumerate(("init", "trained"))}
         return {"models": scores, "figures": []}
@@ -1157,7 +1166,7 @@ def test_adjacency_claims_average_seeds_and_judge_every_task_and_the_worse_init(
     monkeypatch.setattr(plots, "heatmap", lambda path, *args, **kwargs: path)
     result = adjacency.run("two-seeds", tmp_path / "adjacency", log=lambda _: None)
     c = {claim.claim.split(" (")[0]: claim for claim in result.claims}
-    assert len(c) == len(result.claims) == 10
+    assert len(c) == len(result.claims) == 11
 
     embed_init = c["score at the token-embedding layer is ~0.5"]
     assert embed_init.ours == pytest.approx(0.5) and embed_init.held  # mean of the seeds, then of the tasks
@@ -1170,6 +1179,12 @@ def test_adjacency_claims_average_seeds_and_judge_every_task_and_the_worse_init(
     trained = c["score of the first causal attention layer's output >= 0.8 after training"]
     assert trained.ours == pytest.approx({"addition": 0.8, "reversal": 0.9, "indexing": 0.71, "ordering": 0.95})
     assert not trained.held  # one task below 0.8 is enough
+    depth = c["after training, early layers keep the pattern and later ones weaken it: the first attention layer's "
+              "output scores above the last's"]
+    assert depth.ours == pytest.approx({"addition first": 0.8, "addition last": 0.75, "reversal first": 0.9,
+                                        "reversal last": 0.9, "indexing first": 0.71, "indexing last": 0.55,
+                                        "ordering first": 0.95, "ordering last": 0.945})
+    assert not depth.held and depth.rule == "first > last for each"  # reversal's tie
     assert c["init std 0.2 destroys the pattern"].ours == 0.6 and c["init std 0.2 destroys the pattern"].held
     small_std = c["init std <= 0.02 keeps the pattern"]
     assert small_std.ours == pytest.approx(0.78) and not small_std.held  # the worse of std 0.002 and 0.02
@@ -1234,7 +1249,9 @@ def test_dstg_claims_average_spectra_seeds_and_read_the_head_counts_at_their_bou
 
     def probes(run, opts):
         name = run.name
-        out = {t: {"embed": 0.95 if (t, name) == ("position", "dstg") else 0.1, "blocks.0.resid_post": 0.2,
+        # AP-NeoBERT's sentence index at block 0: above its last layer's, but not twice it
+        out = {t: {"embed": 0.95 if (t, name) == ("position", "dstg") else 0.1,
+                   "blocks.0.resid_post": 0.9 if (t, name) == ("sentence_index", "ap_neobert") else 0.2,
                    "blocks.1.resid_post": last[t][name]} for t in last}
         intra = {"dstg": 0.5, "ap_neobert": 0.6, "rope_neobert": 0.55, "rp_neobert": 0.52}[name]
         out["pos_in_sentence"] = {"embed": 0.1, "blocks.0.resid_post": intra, "blocks.1.resid_post": 0.3}
@@ -1264,12 +1281,17 @@ def test_dstg_claims_average_spectra_seeds_and_read_the_head_counts_at_their_bou
     monkeypatch.setattr(dstg, "top2_at_width", lambda table, width: float(table[0, 0]) if width == 16 else math.nan)
     monkeypatch.setattr(plots, "bars", lambda path, *args, **kwargs: path)
     result = dstg.run("smoke", tmp_path / "dstg", log=lambda _: None)
-    top2, at_width, low_bins, segment, beyond, token, intra, heads = result.claims
+    top2, at_width, low_bins, segment, beyond, lost, token, intra, heads = result.claims
     assert top2.ours == pytest.approx({"dstg": 0.8, "ap_neobert": 0.6}) and top2.held  # means over seeds 0, 1
     assert at_width.ours == pytest.approx({"dstg": 0.9, "ap_neobert at width 16": 0.7}) and at_width.held
     assert low_bins.ours == pytest.approx(0.8) and low_bins.held
     assert segment.ours["dstg best"] == 0.7 and segment.held
     assert beyond.ours["dstg"] == pytest.approx(0.1) and beyond.held
+    assert lost.ours == {"last layer": 0.69, "best earlier layer": 0.9} and not lost.held
+    by_layer = {"embed": 0.9, "blocks.0.resid_post": 0.5, "blocks.1.resid_post": 0.3, "blocks.2.resid_post": 0.25}
+    assert not dstg.lost_by_last_layer(by_layer, 3).held  # 0.25 is half of 0.5: not below it
+    assert dstg.lost_by_last_layer({**by_layer, "blocks.2.resid_post": 0.24}, 3).held  # the embedding is not a block
+    assert not dstg.lost_by_last_layer({"blocks.0.resid_post": 0.1}, 1).held  # no earlier layer
     assert token.ours["dstg best"] == 0.95 and token.held  # 0.86 >= 0.9 x the embedding's 0.95
     assert intra.ours == {"dstg": 0.5, "ap_neobert": 0.6, "rope_neobert": 0.55, "rp_neobert": 0.52} and intra.held
     assert heads.ours == {"structure": 3, "semantic": 5, "mixed": 2} and heads.held  # 8 of 10 heads: at 80%

@@ -51,6 +51,14 @@ def exceeds(claim: str, paper: Any, ours: dict[str, float], larger: str, smaller
     return Claim(claim, paper, {k: rounded(v) for k, v in ours.items()}, held, rule)
 
 
+def all_exceed(claim: str, paper: Any, larger: dict[str, float], smaller: dict[str, float],
+               names: tuple[str, str]) -> Claim:
+    """larger[k] > smaller[k] for every key k (a task, say); ours shows each pair as "k names[0]", "k names[1]"."""
+    held = all(_finite(larger[k], smaller[k]) and larger[k] > smaller[k] for k in larger)
+    ours = {f"{k} {name}": rounded(values[k]) for k in larger for name, values in zip(names, (larger, smaller))}
+    return Claim(claim, paper, ours, held, f"{names[0]} > {names[1]} for each")
+
+
 def lowest(claim: str, paper: Any, ours: dict[str, float], best: str) -> Claim:
     """ours[best] below every other value (errors, losses: lower is better)."""
     others = [k for k in ours if k != best]

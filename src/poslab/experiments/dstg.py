@@ -8,6 +8,7 @@ head taxonomy read the four models of seed 0.
 """
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 from typing import Callable
@@ -72,6 +73,11 @@ SCALES = {
                         "DSTG's top-2 AP components":
                             "One seed in five of the seed study (seed 0) stays under the threshold (0.72-0.74); "
                             "the others give 0.91-0.96 (DSTG_FINDINGS.md).",
+                        "AP-NeoBERT encodes segment-level position":
+                            "Added in the eighteenth session; nothing searched for it. The quick models have two "
+                            "layers, so the only earlier layer is the first. At the paper's depth (6 layers, "
+                            "DSTG_FINDINGS.md search 4) AP-NeoBERT's last-layer R^2 was 0.184 against 0.309 at 2 "
+                            "layers; its earlier layers were not recorded there.",
                         "intra-segment position":
                             "The search (benchmarks/quick_search/DSTG_FINDINGS.md) tried 8 heads, twice the steps, "
                             "3 layers and the paper's 6: the best layer's R^2 stayed 0.18-0.42 in every model, so the "
@@ -194,6 +200,19 @@ def structure_beyond_position(beyond: dict[str, dict[str, float]]) -> claims.Cla
                         "dstg gain > every baseline's gain")
 
 
+def lost_by_last_layer(per_layer: dict[str, float], n_layers: int) -> claims.Claim:
+    """The paper's "entangled AP encodes structure in middle layers but loses most of it in the last layer":
+    AP-NeoBERT's sentence-index R^2 at its last block's output (``per_layer``: layer name -> R^2) below half
+    of its best earlier block output's. A one-layer model has no earlier block and fails."""
+    last = per_layer[f"blocks.{n_layers - 1}.resid_post"]
+    earlier = max((per_layer[f"blocks.{i}.resid_post"] for i in range(n_layers - 1)), default=math.nan)
+    return claims.Claim("AP-NeoBERT encodes segment-level position (sentence index) before its last layer and "
+                        "loses most of it there (linear probe R^2)", "kept in middle layers, mostly lost in the last",
+                        {"last layer": claims.rounded(last), "best earlier layer": claims.rounded(earlier)},
+                        math.isfinite(last) and math.isfinite(earlier) and last < 0.5 * earlier,
+                        "last layer < 0.5 x best earlier layer (block outputs)")
+
+
 SPECTRA_MODELS = ("dstg", "ap_neobert")
 # The order the trainings queue in, longest first so that parallel workers finish together (a quick training
 # of DSTG, RP-, RoPE- and AP-NeoBERT took ~150, 119, 92 and 76 s on 2026-11-30: runs/quick-s13).
@@ -291,6 +310,7 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
                            best_layer("dstg", SEGMENT, embedding=True),
                            {"token position alone": beyond["dstg"]["position alone"]}),
         structure_beyond_position(beyond),
+        lost_by_last_layer(probe["ap_neobert"][SEGMENT], loaded["ap_neobert"].model.config.num_hidden_layers),
         kept_in_last_layer("token-level absolute position", {m: last_layer(m, TOKEN) for m in MODELS},
                            best_layer("dstg", TOKEN, embedding=True)),
         claims.all_of("intra-segment position (position in sentence) recoverable from the semantic subspace in "
