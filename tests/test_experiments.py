@@ -1077,6 +1077,29 @@ def test_indirect_indexing_claims_read_the_mean_over_seeds(tmp_path, monkeypatch
     assert above_chance.held
 
 
+def test_indirect_indexing_compares_pope_with_every_other_scheme_where_the_scale_trains_them(tmp_path, monkeypatch):
+    """The paper scale trains every scheme (the quick one only PoPE and RoPE): PoPE must beat each one's mean."""
+    from poslab.analysis import plots
+    from poslab.experiments import indirect_indexing
+
+    scale = {**indirect_indexing.SCALES["smoke"], "seeds": [0, 1], "other_seeds": [0, 1],
+             "others": ("nope", "rope-half")}
+    monkeypatch.setitem(indirect_indexing.SCALES, "two-seeds", scale)
+    monkeypatch.setattr(plots, "bars", lambda path, *args, **kwargs: path)
+    for half, held in [([0.4, 0.5], True), ([0.9, 0.2], False)]:  # rope-half's 0.45, then 0.55: PoPE's, a tie
+        accuracy = {"pope": [0.7, 0.4], "rope": [0.1, 0.2], "nope": [0.05, 0.0], "rope-half": half}
+        finals = {(s, seed): {"eval_exact_match": v} for s, values in accuracy.items()
+                  for seed, v in enumerate(values)}
+        monkeypatch.setattr(indirect_indexing, "ensure_runs", lambda *args, **kwargs: finals)
+        *_, every = indirect_indexing.run("two-seeds", tmp_path / "indirect-indexing", log=lambda _: None).claims
+        assert every.claim.startswith("PoPE above every other positional scheme")
+        assert every.ours == pytest.approx({"pope": 0.55, "rope": 0.15, "nope": 0.025, "rope-half": sum(half) / 2})
+        assert every.held is held and every.rule == "pope > rope and nope and rope-half"
+    monkeypatch.setattr(indirect_indexing, "ensure_runs", lambda *args, **kwargs: {
+        (s, seed): {"eval_exact_match": 0.5} for s in ("pope", "rope") for seed in range(3)})
+    assert len(indirect_indexing.run("quick", tmp_path / "quick", log=lambda _: None).claims) == 2  # no others
+
+
 def test_dstg_spectrum_reads_pc1_and_pc2_low_bin_shares():
     """PC1 along DCT-II basis 3 (all power in the first 4 bins), PC2 along basis 4 (none): the mean is 1/2."""
     from types import SimpleNamespace

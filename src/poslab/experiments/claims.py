@@ -66,6 +66,13 @@ def lowest(claim: str, paper: Any, ours: dict[str, float], best: str) -> Claim:
     return Claim(claim, paper, {k: rounded(v) for k, v in ours.items()}, held, f"{best} < {' and '.join(others)}")
 
 
+def highest(claim: str, paper: Any, ours: dict[str, float], best: str) -> Claim:
+    """ours[best] above every other value (accuracies: higher is better)."""
+    others = [k for k in ours if k != best]
+    held = _finite(*ours.values()) and all(ours[best] > ours[k] for k in others)
+    return Claim(claim, paper, {k: rounded(v) for k, v in ours.items()}, held, f"{best} > {' and '.join(others)}")
+
+
 def more_than(claim: str, paper: Any, ours: float, threshold: float) -> Claim:
     """ours strictly above threshold: the complement of ``at_most`` with the same threshold, so that one value
     cannot be both flat and degrading."""
