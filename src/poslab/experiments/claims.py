@@ -6,6 +6,7 @@ recipe next to the rule's words; either way ``held`` follows from the numbers in
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -61,16 +62,19 @@ def all_exceed(claim: str, paper: Any, larger: dict[str, float], smaller: dict[s
 
 def lowest(claim: str, paper: Any, ours: dict[str, float], best: str) -> Claim:
     """ours[best] below every other value (errors, losses: lower is better)."""
-    others = [k for k in ours if k != best]
-    held = _finite(*ours.values()) and all(ours[best] < ours[k] for k in others)
-    return Claim(claim, paper, {k: rounded(v) for k, v in ours.items()}, held, f"{best} < {' and '.join(others)}")
+    return _best(claim, paper, ours, best, "<")
 
 
 def highest(claim: str, paper: Any, ours: dict[str, float], best: str) -> Claim:
     """ours[best] above every other value (accuracies: higher is better)."""
+    return _best(claim, paper, ours, best, ">")
+
+
+def _best(claim: str, paper: Any, ours: dict[str, float], best: str, order: str) -> Claim:
     others = [k for k in ours if k != best]
-    held = _finite(*ours.values()) and all(ours[best] > ours[k] for k in others)
-    return Claim(claim, paper, {k: rounded(v) for k, v in ours.items()}, held, f"{best} > {' and '.join(others)}")
+    beats = operator.lt if order == "<" else operator.gt
+    held = _finite(*ours.values()) and all(beats(ours[best], ours[k]) for k in others)
+    return Claim(claim, paper, {k: rounded(v) for k, v in ours.items()}, held, f"{best} {order} {' and '.join(others)}")
 
 
 def more_than(claim: str, paper: Any, ours: float, threshold: float) -> Claim:
