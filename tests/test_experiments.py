@@ -1125,7 +1125,7 @@ def test_adjacency_claims_average_seeds_and_judge_every_task_and_the_worse_init(
     from poslab.analysis.commands import NULL_FEATURES
     from poslab.experiments import adjacency
 
-    scale = {**adjacency.SCALES["smoke"], "seeds": [0, 1]}
+    scale = {**adjacency.SCALES["smoke"], "seeds": [0, 1], "init_model": {"d_model": 48, "n_layers": 3, "n_heads": 2}}
     monkeypatch.setitem(adjacency.SCALES, "two-seeds", scale)
     monkeypatch.setitem(adjacency.SIZES, "two-seeds", ((1, 64), (2, 128)))
     first = adjacency.FIRST_LAYER
@@ -1167,7 +1167,11 @@ def test_adjacency_claims_average_seeds_and_judge_every_task_and_the_worse_init(
     ablation = {(0.002, 0.0): 0.9, (0.02, 0.0): 0.78, (0.2, 0.0): 0.6, (0.002, 4.0): 0.85, (0.02, 4.0): 0.82,
                 (0.2, 4.0): 0.5, (0.002, 8.0): 0.9, (0.02, 8.0): 0.81, (0.2, 8.0): 0.5}
 
+    built = []
+
     def fake_model(spec):
+        if isinstance(spec, dict):
+            built.append(spec)
         return SimpleNamespace(spec=spec, eval=lambda: SimpleNamespace(spec=spec))
 
     def scores(model, batches, names=()):
@@ -1189,7 +1193,7 @@ def test_adjacency_claims_average_seeds_and_judge_every_task_and_the_worse_init(
     monkeypatch.setattr(plots, "heatmap", lambda path, *args, **kwargs: path)
     result = adjacency.run("two-seeds", tmp_path / "adjacency", log=lambda _: None)
     c = {claim.claim.split(" (")[0]: claim for claim in result.claims}
-    assert len(c) == len(result.claims) == 11
+    assert len(c) == len(result.claims) == 12
 
     embed_init = c["score at the token-embedding layer is ~0.5"]
     assert embed_init.ours == pytest.approx(0.5) and embed_init.held  # mean of the seeds, then of the tasks
@@ -1213,6 +1217,13 @@ def test_adjacency_claims_average_seeds_and_judge_every_task_and_the_worse_init(
     assert small_std.ours == pytest.approx(0.78) and not small_std.held  # the worse of std 0.002 and 0.02
     means = c["a large init mean matters less: mean 0, 4, 8 keeps >= 0.8"]
     assert means.ours == pytest.approx({"mean 0": 0.78, "mean 4": 0.82, "mean 8": 0.81}) and not means.held
+    # Drops from mean 0: std 0.002 to mean 4 loses 0.05, the most; std 0.02 gains. To std 0.2: 0.3 and 0.18.
+    mean_vs_std = c["a large init mean changes the pattern less than a large std: the largest drop from mean 0 to "
+                    "mean 4 or 8"]
+    assert mean_vs_std.ours == pytest.approx({"std 0.2 drop": 0.18, "largest mean drop": 0.05}) and mean_vs_std.held
+    # The ablation's and the control's untrained models are the scale's init_model, not its trained model.
+    assert len(built) == 9 * len(adjacency.INIT_SEEDS) + 1
+    assert {(spec["n_layers"], spec["d_model"], spec["n_heads"]) for spec in built} == {(3, 48, 2)}
     sizes = [claim for claim in result.claims if claim.claim.startswith("at initialisation the pattern is stable")][0]
     assert sizes.ours == {"1 x 64": 0.85, "2 x 128": 0.8} and sizes.held
     assert c["bidirectional NoPE control has no adjacency pattern"].held
