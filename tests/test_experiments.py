@@ -1259,7 +1259,7 @@ def test_extrapolation_claims_read_loss_ratios_to_1x_and_to_the_fine_tune_length
     monkeypatch.setattr(extrapolation, "evaluate_lengths", lambda config, model, lengths, *args, **kwargs: [
         {"length": length, "factor": 99.0, "loss": loss} for length, loss in zip(lengths, tuned)])
     result = extrapolation.run("smoke", tmp_path / "extrapolation", log=lambda _: None)
-    flat, degrades, yarn_past, beats, text, flat_sizes, larger = result.claims
+    flat, degrades, yarn_past, beats, text, flat_sizes, larger, gap = result.claims
     assert flat.ours == pytest.approx(1.1) and flat.held
     assert degrades.ours == pytest.approx({"rope": 1.5, "pope": 1.1}) and degrades.held
     assert yarn_past.ours == pytest.approx(2.3 / 2.0) and yarn_past.held
@@ -1267,6 +1267,20 @@ def test_extrapolation_claims_read_loss_ratios_to_1x_and_to_the_fine_tune_length
     assert not text.held and text.ours == {"32 pope": 2.0, "32 rope": 2.1, "48 pope": 1.96, "48 rope": 1.95}
     assert flat_sizes.ours == pytest.approx({"32": 1.1, "48": 1.05}) and flat_sizes.held
     assert larger.ours == pytest.approx({"48": 1.6, "32": 1.5}) and larger.held
+    assert gap.ours == pytest.approx({"32": 0.1, "48": -0.01}) and not gap.held  # PoPE's lead gone at 48
+    assert gap.rule == "32 > 0 and 48 >= 0.9 x 32"
+
+
+@pytest.mark.parametrize("losses, held", [({"s": (2.0, 2.1), "l": (1.8, 1.91)}, True),  # 0.1 -> 0.11: growing
+                                          ({"s": (2.0, 2.1), "l": (1.8, 1.89)}, True),  # 0.1 -> 0.09: at the bound
+                                          ({"s": (2.0, 2.1), "l": (1.8, 1.88)}, False),  # a fifth smaller
+                                          ({"s": (2.1, 2.0), "l": (1.8, 1.9)}, False),  # PoPE behind at first
+                                          ({"s": (2.0, 2.1), "l": (math.nan, 1.9)}, False)])
+def test_popes_lead_counts_as_stable_while_it_keeps_nine_tenths(losses, held):
+    from poslab.experiments import extrapolation
+
+    held_out = {size: {"pope": pope, "rope": rope} for size, (pope, rope) in losses.items()}
+    assert extrapolation.gap_kept(held_out, "s", "l").held is held
 
 
 def test_dstg_claims_average_spectra_seeds_and_read_the_head_counts_at_their_bounds(tmp_path, monkeypatch):

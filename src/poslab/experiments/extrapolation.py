@@ -29,6 +29,7 @@ DATA_DIR = Path(__file__).resolve().parents[1] / "configs" / "data"
 SCHEMES = ("pope", "rope")
 FINETUNED = "rope-yarn"  # the RoPE run fine-tuned with YaRN at finetune["factor"] x its length
 FLAT = 1.1  # the largest loss ratio between two evaluation lengths that the claims call flat
+STABLE_GAP = 0.9  # "gap stable or growing": the largest model's loss gap to RoPE keeps at least this share
 
 SCALES = {
     "quick": {"data": "lm_quick.yaml", "documents": 3000, "tokenizer_documents": 1000, "seq_len": 64,
@@ -144,6 +145,20 @@ def size_growth(scale: dict, out: Path, device: str, evaluated: dict | None) -> 
     return growth
 
 
+def gap_kept(held_out: dict[str, dict[str, float]], smallest: str, largest: str) -> claims.Claim:
+    """The paper's "gap stable or growing" across model sizes: RoPE's validation loss minus PoPE's (the log of
+    their perplexity ratio; ``held_out``: size -> scheme -> loss) at the largest size at least STABLE_GAP of the
+    smallest size's, which must be a gap in PoPE's favour."""
+    gaps = {size: held_out[size]["rope"] - held_out[size]["pope"] for size in (smallest, largest)}
+    kept = STABLE_GAP * gaps[smallest]  # a gap at the bound holds, though floats may put it an ulp below
+    held = (all(map(math.isfinite, gaps.values())) and gaps[smallest] > 0
+            and (gaps[largest] >= kept or math.isclose(gaps[largest], kept, rel_tol=1e-9)))
+    return claims.Claim(f"PoPE's lead over RoPE stable or growing with model size: validation loss gap (RoPE - PoPE) "
+                        f"of the {largest} model at least {STABLE_GAP:g} of the {smallest} model's",
+                        "gap stable or growing (124M to 774M)", {s: claims.rounded(g) for s, g in gaps.items()}, held,
+                        f"{smallest} > 0 and {largest} >= {STABLE_GAP:g} x {smallest}")
+
+
 def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, device: str = "cpu") -> RecipeResult:
     scale = SCALES[scale_name]
     trainings = runs(scale_name, out)
@@ -215,6 +230,7 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
                            f"{smallest} model's", "worse at larger scale",
                            {largest: by_size[largest]["rope"], smallest: by_size[smallest]["rope"]},
                            larger=largest, smaller=smallest),
+            gap_kept(held_out, smallest, largest),
         ]
         tables.append({"title": f"Loss at {top}x / loss at 1x by model size",
                        "columns": ["size", "pope", "rope"],
