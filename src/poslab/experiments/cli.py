@@ -1,4 +1,5 @@
-"""``poslab reproduce NAME|all --scale quick|paper|smoke --out DIR`` and ``poslab reproduce --list``."""
+"""``poslab reproduce NAME|all --scale quick|paper|smoke --out DIR``, ``poslab reproduce --list`` and
+``poslab reproduce --compare OLD --out NEW``."""
 from __future__ import annotations
 
 import argparse
@@ -37,6 +38,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--plan", action="store_true",
                    help="print what the recipes would train at --scale (models, tokens, training FLOPs, progress "
                         "in --out) and exit without training or writing anything")
+    p.add_argument("--compare", metavar="DIR", type=path_argument,
+                   help="print which claims of --out (of the NAMEd recipes, default all) differ from those of DIR (an "
+                        "earlier reproduction: its results.json) in value or verdict, and exit: 0 if none, 1 if any, "
+                        "as diff does")
     p.set_defaults(func=run)
 
 
@@ -47,6 +52,14 @@ def run(args: argparse.Namespace) -> int:
         for name, (_, description) in RECIPES.items():
             print(f"{name}\t{description}")
         return 0
+    if args.compare is not None:
+        from poslab.experiments import compare
+
+        old, new = compare.load(args.compare), compare.load(args.out)
+        only = set(resolve(args.names)) if args.names else None  # recipe names, if any, narrow the comparison
+        rows = [row for row in compare.compare(old, new) if only is None or row["recipe"] in only]
+        print(compare.render(rows, old, new, args.compare, args.out))
+        return int(any(row["status"] != "same" for row in rows))
     if not args.names:
         raise PoslabError("name a recipe or 'all' (see 'poslab reproduce --list')")
     names, scale = resolve(args.names), check_scale(args.scale)

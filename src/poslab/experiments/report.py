@@ -8,16 +8,16 @@ from typing import Any
 NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")  # the bounds in a claim's rule
 
 
-def _fmt(value: Any, digits: int | None = None) -> str:
+def cell(value: Any, digits: int | None = None) -> str:
     """A cell; ``digits`` (significant) defaults to what keeps a dict's or list's numbers apart."""
     if isinstance(value, float):
         return f"{value:.{digits or 4}g}"
     if isinstance(value, dict):
         digits = digits or _distinct_digits(list(value.values()))
-        return ", ".join(f"{k}: {_fmt(v, digits)}" for k, v in value.items())
+        return ", ".join(f"{k}: {cell(v, digits)}" for k, v in value.items())
     if isinstance(value, list):
         digits = digits or _distinct_digits(value)
-        return ", ".join(_fmt(v, digits) for v in value)
+        return ", ".join(cell(v, digits) for v in value)
     return str(value)
 
 
@@ -37,12 +37,12 @@ def _ours(claim: dict[str, Any]) -> str:
     ours = claim["ours"]
     values = list(ours.values()) if isinstance(ours, dict) else ours if isinstance(ours, list) else [ours]
     bounds = [float(n) for n in NUMBER.findall(claim["rule"])]
-    return _fmt(ours, _distinct_digits([*values, *bounds]))
+    return cell(ours, _distinct_digits([*values, *bounds]))
 
 
 def _table(columns: list[str], rows: list[list[Any]]) -> list[str]:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(_fmt(c).replace("|", "/") for c in row) + " |" for row in rows]
+    lines += ["| " + " | ".join(cell(c).replace("|", "/") for c in row) + " |" for row in rows]
     return lines
 
 
