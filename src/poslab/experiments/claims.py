@@ -27,6 +27,11 @@ def _finite(*values: float) -> bool:
     return all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
 
 
+def reaches(value: float, bound: float) -> bool:
+    """value >= bound, a value at the bound included though floats put it an ulp below (0.9 - 0.8 < 0.1)."""
+    return value >= bound or math.isclose(value, bound, rel_tol=1e-9)
+
+
 def at_least(claim: str, paper: Any, ours: float, threshold: float) -> Claim:
     return Claim(claim, paper, rounded(ours), _finite(ours) and ours >= threshold, f"ours >= {threshold:g}")
 
@@ -45,7 +50,7 @@ def exceeds(claim: str, paper: Any, ours: dict[str, float], larger: str, smaller
     is compared within rounding error."""
     a, b = ours[larger], ours[smaller]
     if margin:
-        held = _finite(a, b) and (a - b >= margin or math.isclose(a - b, margin, rel_tol=1e-9))
+        held = _finite(a, b) and reaches(a - b, margin)
         rule = f"{larger} - {smaller} >= {margin:g}"
     else:
         held, rule = _finite(a, b) and a > b, f"{larger} > {smaller}"

@@ -150,9 +150,8 @@ def gap_kept(held_out: dict[str, dict[str, float]], smallest: str, largest: str)
     their perplexity ratio; ``held_out``: size -> scheme -> loss) at the largest size at least STABLE_GAP of the
     smallest size's, which must be a gap in PoPE's favour."""
     gaps = {size: held_out[size]["rope"] - held_out[size]["pope"] for size in (smallest, largest)}
-    kept = STABLE_GAP * gaps[smallest]  # a gap at the bound holds, though floats may put it an ulp below
     held = (all(map(math.isfinite, gaps.values())) and gaps[smallest] > 0
-            and (gaps[largest] >= kept or math.isclose(gaps[largest], kept, rel_tol=1e-9)))
+            and claims.reaches(gaps[largest], STABLE_GAP * gaps[smallest]))
     return claims.Claim(f"PoPE's lead over RoPE stable or growing with model size: validation loss gap (RoPE - PoPE) "
                         f"of the {largest} model at least {STABLE_GAP:g} of the {smallest} model's",
                         "gap stable or growing (124M to 774M)", {s: claims.rounded(g) for s, g in gaps.items()}, held,
