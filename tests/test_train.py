@@ -834,6 +834,16 @@ def test_best_mode_follows_the_metric_and_a_contradiction_is_refused():
         TrainConfig(best_mode="max")
 
 
+def test_a_saved_config_names_no_mode_so_it_takes_another_best_metric(tmp_path):
+    """A run's config.yaml is a starting point for the next run: the mode its metric implied must not stay
+    behind to refuse another metric."""
+    saved = load_config(write_config(tmp_path / "c.yaml", tiny_config())).to_yaml()
+    assert yaml.safe_load(saved)["train"]["best_mode"] is None
+    (tmp_path / "saved.yaml").write_text(saved)
+    assert load_config(tmp_path / "saved.yaml", ["train.best_metric=token_accuracy"]).train.best_mode == "max"
+    assert load_config(tmp_path / "saved.yaml").train.best_mode == "min"
+
+
 def test_every_rank_keeps_the_best_checkpoint_by_rank_zero_s_numbers(tmp_path, monkeypatch):
     """Ranks evaluate alone; a rank whose numbers differ in the last bit must not decide alone to save (a
     collective): the trainer takes rank 0's numbers. Here "rank 0" (the broadcast) reports a loss that only

@@ -82,7 +82,7 @@ def run_config(scale: dict, task: str, scheme: str, seed: int) -> dict:
                   **scale["model"]},
         "data": {"kind": "task", "name": task, **scale["data"]},
         # Accuracy on the test split, as the paper reports it (20,000 problems at paper scale).
-        "train": {"eval_every": 0, "log_every": 50, "best_metric": "exact_match", "best_mode": "max",
+        "train": {"eval_every": 0, "log_every": 50, "best_metric": "exact_match",
                   "eval_split": "test", "eval_batch_size": 250, **scale["train"]},
     }
 

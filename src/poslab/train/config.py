@@ -191,6 +191,8 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain types only (lists for tuples), so ``yaml.safe_dump`` round-trips through ``from_dict``."""
         train = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self.train).items()}
+        # Every metric implies its mode: a saved mode would refuse the config.yaml reused with another best_metric.
+        train["best_mode"] = None
         return {"seed": self.seed, "model": self.model.to_dict(), "data": self.data.to_dict(), "train": train}
 
     def to_yaml(self) -> str:
