@@ -162,6 +162,20 @@ def test_the_spec_dict_wins_over_the_copies_beside_it(arch, tmp_path):
     assert config.spec.n_heads == 2
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_hugging_face_names_fill_what_the_spec_leaves_out(arch):
+    """A config built from Hugging Face's names builds that model; the spec dict, where it sets a value, wins."""
+    config = type(build(arch).config)(num_hidden_layers=3, num_attention_heads=2, vocab_size=50)
+    assert (config.num_hidden_layers, config.spec.n_layers, config.spec.n_heads, config.spec.vocab_size) == (3, 3, 2, 50)
+    field = config.SPEC_FIELD
+    config = type(config)(**{field: {"n_layers": 1}}, num_hidden_layers=3)
+    assert config.num_hidden_layers == config.spec.n_layers == 1
+    if arch != "dstg":  # DSTG's width is its two streams'
+        assert type(config)(hidden_size=64).spec.d_model == 64
+    with pytest.raises(ConfigError, match="must divide|divisible by n_heads"):
+        type(config)(num_attention_heads=5)
+
+
 def test_derived_attributes_refuse_another_value():
     m = build("dstg")
     with pytest.raises(ConfigError, match="hidden_size .* follows from its 'dstg' settings"):

@@ -38,8 +38,9 @@ class SpecConfig(PreTrainedConfig):
     construction, and mirroring the attributes the Hugging Face machinery reads (``MIRRORED``: Hugging Face
     name -> spec field; ``FIXED``: derived, refusing another value).
 
-    The dict is the source of truth. At construction it wins over mirrored keyword arguments: config.json holds
-    both, and a stale or hand-edited top-level copy must not undo it. Set afterwards -- Hugging Face sets
+    The dict is the source of truth. At construction a mirrored keyword argument fills only what the dict leaves
+    out (``PoslabConfig(hidden_size=64, num_hidden_layers=2)`` builds that model); where the dict sets a value it
+    wins: config.json holds both, and a stale or hand-edited top-level copy must not undo it. Set afterwards -- Hugging Face sets
     ``from_pretrained(path, num_hidden_layers=2)``'s overrides on the built config, ``resize_token_embeddings``
     writes ``vocab_size``, or the dict is assigned whole -- a value goes into the dict, which is validated as a
     whole (a ``ConfigError`` if the result is no valid model) before the mirrors are refreshed from it."""
@@ -52,9 +53,8 @@ class SpecConfig(PreTrainedConfig):
     FIXED: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self, **kwargs) -> None:
-        for name in self.MIRRORED:
-            kwargs.pop(name, None)
-        self._store(self.SPEC_CLASS.from_dict(getattr(self, self.SPEC_FIELD) or {}))
+        given = {field: kwargs.pop(name) for name, field in self.MIRRORED.items() if name in kwargs}
+        self._store(self.SPEC_CLASS.from_dict({**given, **(getattr(self, self.SPEC_FIELD) or {})}))
         super().__post_init__(**kwargs)
 
     def derived(self, spec) -> dict:
