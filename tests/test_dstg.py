@@ -10,9 +10,12 @@ from hypothesis import strategies as st
 from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM
 
 import poslab
+from poslab.data.cli import load_data_config
+from poslab.data.preparation import _trained_tokenizer
+from poslab.data.sources import open_source
 from poslab.errors import ConfigError, InputError
 from poslab.models import ActivationCache
-from poslab.models.dstg import (READY, SCALES, DSTGBlock, DSTGNeoBertConfig, DSTGNeoBertForMaskedLM,
+from poslab.models.dstg import (CONFIG_DIR, READY, SCALES, DSTGBlock, DSTGNeoBertConfig, DSTGNeoBertForMaskedLM,
                                 DSTGNeoBertModel, count_parameters, ready_config)
 from poslab.models.dstg_config import DSTGConfig
 
@@ -319,6 +322,14 @@ def test_meta_counts_equal_built_counts_and_every_quick_config_trains_a_step():
         loss = m(ids, labels=ids).loss
         loss.backward()
         assert torch.isfinite(loss)
+
+
+def test_quick_ready_configs_fit_the_quick_corpus_vocabulary():
+    """mlm_quick.yaml's WordPiece (trained as `data prepare` trains it) fits the ready quick models exactly: a
+    smaller table would be refused at training, a larger one would train rows no token reaches."""
+    config = load_data_config(str(CONFIG_DIR.parent / "data" / "mlm_quick.yaml"), [])
+    vocabulary = _trained_tokenizer(config, open_source(config.source), lambda message: None).get_vocab_size()
+    assert {ready_config(name, "quick")["vocab_size"] for name in READY} == {vocabulary}
 
 
 @pytest.mark.parametrize("change,message", [
