@@ -428,6 +428,27 @@ def test_extrapolation_cli_eval_data(lm_run, tmp_path, capsys):
         assert "--eval-data file" in err and err.count("\n") == 1 and name in err
 
 
+def test_extrapolation_that_evaluates_no_length_writes_nothing(lm_run, tmp_path, capsys):
+    """Every length failing is no measurement: one line, exit 2, and the analysis already there is kept."""
+    from poslab.cli import main
+
+    good = tmp_path / "books.yaml"
+    good.write_text(yaml.safe_dump(books(lm_run, 4)))
+    assert analyze("extrapolation", "--run", str(lm_run / "run"), "--eval-data", str(good), "--sequences", "2",
+                   "--batch-size", "2", "--factors", "1", "--scalings") == 0
+    written = {p.name: p.read_bytes() for p in (lm_run / "run" / "analysis").iterdir()}
+    (tmp_path / "short.jsonl").write_text(json.dumps({"text": "a b"}) + "\n")
+    short = tmp_path / "short.yaml"
+    short.write_text(yaml.safe_dump({"source": {"type": "jsonl", "paths": str(tmp_path / "short.jsonl")},
+                                     "validation_documents": 1}))
+    capsys.readouterr()
+    assert main(["analyze", "extrapolation", "--run", str(lm_run / "run"), "--eval-data", str(short),
+                 "--sequences", "2", "--batch-size", "2", "--factors", "1", "2", "--scalings"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no evaluation length could be evaluated, so nothing was written" in err, err
+    assert {p.name: p.read_bytes() for p in (lm_run / "run" / "analysis").iterdir()} == written
+
+
 def test_extrapolation_refuses_a_corpus_tokenized_otherwise_than_the_run(lm_run, tmp_path, capsys):
     """Evaluation builds its sources from the run's config; a corpus whose tokenizer is not the run's own
     (DIR/tokenizer; here a copy of the run with two tokens renumbered) is refused in one line."""

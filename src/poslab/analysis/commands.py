@@ -373,6 +373,10 @@ def extrapolation(run: Run, opts: Options) -> dict:
             loss[key] = (x, [rec.get("loss") for rec in records])
             metric = "exact_match" if any("exact_match" in rec for rec in records) else "token_accuracy"
             acc[key] = (x, [rec.get(metric) for rec in records])
+    records = [rec for r in data["runs"].values() for curve in r["curves"].values() for rec in curve]
+    if all("error" in rec for rec in records):  # a result of failures only must not replace a measured one
+        raise DataError(f"no evaluation length could be evaluated, so nothing was written; the first reason: "
+                        f"{records[0]['error']}")
     figures = [plots.lines(run.out_dir / "extrapolation_loss.png", loss, "Loss against evaluation length",
                            "evaluation length / training length", "loss"),
                plots.lines(run.out_dir / "extrapolation_accuracy.png", acc, "Accuracy against evaluation length",
