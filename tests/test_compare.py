@@ -77,3 +77,15 @@ def test_a_directory_without_readable_results_is_refused_in_one_line(content, pr
         assert "Traceback" not in err
     assert main(["reproduce", "dstgg", "--compare", good, "--out", good]) == 2
     assert "did you mean 'dstg'" in capsys.readouterr().err
+
+
+def test_options_that_train_or_plan_are_refused_with_compare_and_scales_are_told_apart(tmp_path, capsys):
+    old, new = write(tmp_path / "old", OLD), write(tmp_path / "new", {**NEW, "scale": "smoke"})
+    for flag in (["--plan"], ["--force"], ["--jobs", "2"], ["--threads", "1"]):
+        assert main(["reproduce", "--compare", old, "--out", new, *flag]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"drop {flag[0]}" in err, err
+    assert main(["reproduce", "--compare", old, "--out", new]) == 1
+    assert "The scales differ (quick vs smoke)" in capsys.readouterr().out
+    assert main(["reproduce", "--compare", old, "--out", old]) == 0
+    assert "scales differ" not in capsys.readouterr().out

@@ -18,7 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("reproduce", help="reproduce the papers' headline claims and write a report")
     p.add_argument("names", nargs="*", metavar="NAME", help="recipe names, or 'all'")
     p.add_argument("--scale", default="quick",
-                   help="quick (CPU minutes, the default), paper (GPUs, torchrun) or smoke (seconds: checks that "
+                   help="quick (CPU minutes, the default), paper (GPUs, torchrun) or smoke (about a minute: checks that "
                         "the recipes run; its numbers mean nothing)")
     p.add_argument("--out", default="runs/reproduce", type=path_argument,
                    help="output directory (default runs/reproduce); it holds the results of one --scale")
@@ -55,6 +55,10 @@ def run(args: argparse.Namespace) -> int:
     if args.compare is not None:
         from poslab.experiments import compare
 
+        for flag in ("plan", "force", "threads", "jobs"):  # a comparison trains and plans nothing
+            if getattr(args, flag) not in (None, False):
+                raise PoslabError(f"--compare only reads two finished reproductions; drop --{flag}, or run it "
+                                  "without --compare")
         old, new = compare.load(args.compare), compare.load(args.out)
         only = set(resolve(args.names)) if args.names else None  # recipe names, if any, narrow the comparison
         rows = [row for row in compare.compare(old, new) if only is None or row["recipe"] in only]

@@ -74,6 +74,9 @@ def render(rows: list[dict[str, Any]], old: dict[str, Any], new: dict[str, Any],
     counts = {status: sum(r["status"] == status for r in rows) for status in (*STATUSES, "same")}
     lines = [_header("old", old_dir, old), _header("new", new_dir, new), "",
              ", ".join(f"{n} {status}" for status, n in counts.items()) + f" (of {len(rows)} claims)"]
+    if old.get("scale") != new.get("scale"):
+        lines.append(f"The scales differ ({old.get('scale', '?')} vs {new.get('scale', '?')}): claims name their "
+                     "scale's sizes and lengths, so those count as gone and added.")
     moved = sorted((r for r in rows if r["status"] != "same"), key=lambda r: STATUSES.index(r["status"]))
     if moved:
         lines += ["", "| status | recipe | claim | old | new |", "|---|---|---|---|---|"]
