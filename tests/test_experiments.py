@@ -188,6 +188,21 @@ def test_a_training_run_directory_is_refused_as_out(tmp_path, fake_recipes):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "config.yaml"] and fake_recipes == []
 
 
+def test_a_directory_of_other_files_is_refused_as_out(tmp_path, fake_recipes):
+    """A prepared corpus (say) named as --out got the report, results.json and recipe directories mixed in."""
+    (tmp_path / "manifest.json").write_text("{}")
+    (tmp_path / "train").mkdir()
+    with pytest.raises(PoslabError, match=f"^{re.escape(str(tmp_path))} holds files but no reproduction .*; "
+                                          "reproduce into a new or empty --out$"):
+        runner.reproduce(["one"], "smoke", tmp_path, log=lambda _: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "train"] and fake_recipes == []
+    (tmp_path / "manifest.json").unlink()
+    (tmp_path / "train").rmdir()
+    (tmp_path / ".lock").write_text("")  # what a reproduction killed before its first file leaves
+    runner.reproduce(["one"], "smoke", tmp_path, log=lambda _: None)
+    assert fake_recipes == ["one"]
+
+
 def test_another_scale_is_refused_before_any_recipe_finished(tmp_path, fake_recipes, monkeypatch):
     """DIR/scale.json names the scale from the start: a quick run in a directory whose smoke run was stopped in
     its first recipe used to fail later, on the first training, with "cannot resume: model.d_model differs"."""

@@ -190,6 +190,9 @@ def reproduce(names: list[str], scale: str, out: str | Path, force: bool = False
     if (out / "config.yaml").is_file() and (out / "checkpoints").is_dir():
         raise PoslabError(f"{out} is a training run (poslab train wrote its config.yaml and checkpoints); reproduce "
                           "into another --out")
+    if _holds_other_files(out):
+        raise PoslabError(f"{out} holds files but no reproduction (no {SCALE_FILE}, results.json or recipe "
+                          "directory), and the report would mix with them; reproduce into a new or empty --out")
     # Two reproductions into one DIR would train the same runs side by side and overwrite each other's
     # results.json; rank 0 holds DIR/.lock for the whole reproduction (torchrun stops the other ranks if it
     # refuses).
@@ -217,6 +220,12 @@ def reproduce(names: list[str], scale: str, out: str | Path, force: bool = False
         if lock is not None:
             lock.release()
     return {"recipes": recipes, "scale": scale}
+
+
+def _holds_other_files(out: Path) -> bool:
+    """Whether ``out`` holds visible files yet nothing a reproduction writes (a prepared corpus, say)."""
+    names = {path.name for path in out.iterdir() if not path.name.startswith(".")}
+    return bool(names) and not names & {SCALE_FILE, "results.json", "report.md", *RECIPES}
 
 
 def finished_at_scale(out: Path, scale: str, log: Callable[[str], None]) -> dict[str, dict[str, Any]]:
