@@ -699,6 +699,25 @@ def test_cli_prepare(tmp_path, capsys):
         load_data_config(str(task), [])
 
 
+def test_cli_an_unreachable_corpus_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    """The tokenizer's progress line used to come first, said before the corpus was reached."""
+    import datasets
+
+    from poslab.cli import main
+
+    def offline(*args, **kwargs):
+        raise OSError("Couldn't reach 'org/books' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    config = tmp_path / "books.yaml"
+    config.write_text("source: {type: hf, name: org/books, streaming: true}\n")
+    assert main(["data", "prepare", str(config), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err == "poslab: error: cannot load Hugging Face dataset 'org/books': Couldn't reach 'org/books' on the " \
+                  "Hub (LocalEntryNotFoundError)\n", err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["books.yaml"]
+
+
 def test_cli_bad_config_files_and_overrides_are_one_line(tmp_path, capsys, monkeypatch):
     """Read as `train` reads a run config: a binary or UTF-16 file, a --set value that is not YAML and an
     empty path each get one line (they were a UnicodeDecodeError, a yaml ParserError, 'Is a directory')."""

@@ -210,6 +210,25 @@ def test_hf_source_local_directory_and_errors(tmp_path):
         list(HFSource(name="json", data_files=str(tmp_path / "missing.jsonl")).documents())
 
 
+def test_hf_source_unreachable_is_one_line_without_the_hub_s_retries(monkeypatch, caplog):
+    """Offline, huggingface_hub logged a warning per retry (eleven lines) before the one-line error."""
+    import logging
+
+    import datasets
+
+    def offline(*args, **kwargs):
+        for attempt in range(1, 6):
+            logging.getLogger("huggingface_hub.utils._http").warning(f"Retrying in 1s [Retry {attempt}/5].")
+        raise OSError("Couldn't reach 'org/corpus' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    level = logging.getLogger("huggingface_hub").level
+    with pytest.raises(DataError, match="^cannot load Hugging Face dataset 'org/corpus': Couldn't reach"):
+        list(HFSource(name="org/corpus").documents())
+    assert not [r for r in caplog.records if "Retrying" in r.getMessage()]
+    assert logging.getLogger("huggingface_hub").level == level  # restored
+
+
 @pytest.mark.parametrize("source,message", [
     ({"type": "text", "paths": "x", "glob": 5}, "text source glob must be a string, got 5"),
     ({"type": "text", "paths": "x", "doc_separator": 5}, "text source doc_separator must be a string or null"),

@@ -194,14 +194,15 @@ def _trained_tokenizer(config: DataConfig, source: Any, log: Callable[[str], Non
     """A tokenizer trained on up to ``train_documents`` documents after the validation split: a vocabulary
     learned on the validation documents would have seen the text the models are evaluated on."""
     tcfg, skip = config.tokenizer, config.validation_documents
-    log(f"training a {tcfg.vocab_size}-token {tcfg.type} tokenizer on up to {tcfg.train_documents} documents "
-        f"after the {skip} validation documents")
     seen = 0
 
     def texts() -> Iterator[str]:
         nonlocal seen
         for document in itertools.islice(source.documents(), skip + tcfg.train_documents):
             seen += 1
+            if seen == 1:  # said once the source is read: a corpus that cannot be reached fails in one line
+                log(f"training a {tcfg.vocab_size}-token {tcfg.type} tokenizer on up to {tcfg.train_documents} "
+                    f"documents after the {skip} validation documents")
             if seen > skip:
                 yield document_text(document)[0]
 

@@ -11,9 +11,11 @@ count of the latest pass) so that preparation can report it instead of failing o
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import itertools
 import json
+import logging
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -233,8 +235,9 @@ class HFSource:
         # A row the loader cannot parse fails inside load_dataset, wrapped, or (streaming) while rows are read.
         failures = (ValueError, OSError, DatasetGenerationError)
         try:
-            ds = datasets.load_dataset(o.name, o.config_name, split=o.split, streaming=o.streaming,
-                                       data_files=o.data_files, data_dir=o.data_dir, revision=o.revision)
+            with _hub_retries_quiet():
+                ds = datasets.load_dataset(o.name, o.config_name, split=o.split, streaming=o.streaming,
+                                           data_files=o.data_files, data_dir=o.data_dir, revision=o.revision)
         except failures as err:
             raise DataError(f"cannot load Hugging Face dataset '{o.name}': {_first_line(err)}") from None
         rows = iter(ds)
@@ -254,6 +257,19 @@ class HFSource:
 
     def documents(self) -> Iterator[Document]:
         yield from _take(filter(None, map(segment, self._texts())), self.opts.max_documents)
+
+
+@contextlib.contextmanager
+def _hub_retries_quiet() -> Iterator[None]:
+    """huggingface_hub logs each retry of a request it cannot make (offline: eleven lines); the error that
+    follows, as one line, says why, so they are held back while the dataset is resolved."""
+    hub = logging.getLogger("huggingface_hub")
+    level = hub.level
+    hub.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        hub.setLevel(level)
 
 
 def _first_line(err: BaseException) -> str:
