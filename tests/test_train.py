@@ -93,7 +93,8 @@ def test_unknown_keys_name_the_closest_valid_key(tmp_path, section, key, suggest
     ("train.steps=many", "train.steps must be a number"),
     ("train.steps=2.5", "train.steps must be an integer"),
     ("train.compile=yes please", "train.compile must be true or false"),
-    ("train.warmup_steps=10", "warmup_steps .10. must not exceed train.steps"),
+    ("train.warmup_steps=10", r"warmup_steps .10. must not exceed train.steps .4.; shortening a run, set both .e.g. "
+                              r"--set train.steps=4 --set train.warmup_steps=0.$"),
     ("data.kind=text", "unknown data kind 'text'"),
     ("model.n_heads=3", "n_heads .3. must divide d_model"),
     ("train=3", "train must be a mapping"),
@@ -1063,6 +1064,23 @@ def test_dstg_masked_lm_run_on_a_text_source(tmp_path):
     assert math.isfinite(final["train_loss"]) and final["eval_tokens"] > 0 and 0 <= final["eval_token_accuracy"] <= 1
     _, model = load_run(tmp_path / "run")
     assert type(model).__name__ == "DSTGNeoBertForMaskedLM"
+
+
+def test_the_readme_text_run_config_trains_on_a_prepared_corpus(tmp_path, monkeypatch):
+    """README's run config for text, as written, on a small corpus prepared where it names one."""
+    from poslab.data.config import DataConfig
+    from poslab.data.preparation import prepare
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = next(b for b in re.findall(r"```yaml\n(.*?)```", readme, re.S) if "prepared:" in b)
+    raw = yaml.safe_load(block)
+    monkeypatch.chdir(tmp_path)
+    data = tiny_mlm_config(tmp_path / "cache")["data"]
+    options = {k: v for k, v in data.items() if k not in ("kind", "masking", "cache_dir")}
+    prepare(DataConfig.from_options(options), raw["data"]["prepared"])
+    raw["train"] |= {"steps": 2, "warmup_steps": 0, "batch_size": 4, "eval_every": 0}
+    final = train(RunConfig.from_dict(raw), tmp_path / "run")
+    assert math.isfinite(final["train_loss"]) and load_config(tmp_path / "run" / "config.yaml").model.causal
 
 
 class _FixedSource:

@@ -92,7 +92,8 @@ class TrainConfig:
         require(self.batch_size % self.grad_accum == 0,
                 f"train.grad_accum ({self.grad_accum}) must divide train.batch_size ({self.batch_size})")
         require(self.warmup_steps <= self.steps,
-                f"train.warmup_steps ({self.warmup_steps}) must not exceed train.steps ({self.steps})")
+                f"train.warmup_steps ({self.warmup_steps}) must not exceed train.steps ({self.steps}); shortening a "
+                f"run, set both (e.g. --set train.steps={self.steps} --set train.warmup_steps={self.steps // 10})")
         require(self.lr > 0, f"train.lr must be a positive number, got {self.lr}")
         require(0 <= self.min_lr <= self.lr, f"train.min_lr must lie in [0, train.lr={self.lr}], got {self.min_lr}")
         require(self.weight_decay >= 0, f"train.weight_decay must be >= 0, got {self.weight_decay}")
