@@ -17,7 +17,7 @@ from poslab.errors import ConfigError, InputError
 from poslab.models import ActivationCache
 from poslab.models.dstg import (CONFIG_DIR, READY, SCALES, DSTGBlock, DSTGNeoBertConfig, DSTGNeoBertForMaskedLM,
                                 DSTGNeoBertModel, count_parameters, ready_config)
-from poslab.models.dstg_config import DSTGConfig
+from poslab.models.dstg_config import RP_SCHEMES, DSTGConfig
 
 FAST = settings(max_examples=10, deadline=None)
 V = 40
@@ -339,7 +339,7 @@ def test_quick_ready_configs_fit_the_quick_corpus_vocabulary():
     ({"qk_head_dim": "64"}, "qk_head_dim must be a positive integer"),
     ({"rp": {"name": "t5", "options": {"num_buckets": 2}}}, "t5.num_buckets must be >= 4"),
     ({"rp": {"name": "t5", "options": {"num_buckets": 32, "max_distance": 8}}}, "t5.max_distance must exceed"),
-    ({"rp": {"name": "rope"}}, "rp.name must be one of t5, alibi"),
+    ({"rp": {"name": "rope"}}, "rp.name must be one of " + ", ".join(RP_SCHEMES)),
     ({"rp": {"name": "t5", "options": {"buckets": 8}}}, "did you mean 'num_buckets'"),
     ({"d_ap": -4}, "d_ap must be a non-negative integer"),
     ({"ffn_hidden": 2}, "raise ffn_hidden"),

@@ -9,7 +9,7 @@ from torch.autograd import gradcheck, gradgradcheck
 import poslab
 from poslab.attention.core import attend
 from poslab.functional import pope_attention, pope_frequencies, pope_polar, pope_scores
-from poslab.positional import AttentionGeometry, PositionalConfig, build_positional
+from poslab.positional import SCHEMES, AttentionGeometry, PositionalConfig, build_positional
 
 F64 = torch.float64
 ATOL = 1e-5  # gradcheck's default; every check below also asserts its gradients are far above it
@@ -318,30 +318,43 @@ def test_sinusoidal_input_gradient_is_the_token_scale():
 
 # --- whole models: the parameters reach the loss ----------------------------------------------------------
 
-DECODER_PARAMS = {
-    "pope": ({"delta_init": "uniform"}, "model.layer_positional.0.raw_delta"),
-    "t5": ({"num_buckets": 8, "max_distance": 16, "init_std": 0.5}, "model.layer_positional.0.weight"),
-    "learned": ({}, "model.input_positional.weight"),
-}
+# Options that make a scheme's parameters matter at this size (zero-initialised T5 buckets hide the bias).
+GRADCHECK_OPTIONS = {"pope": {"delta_init": "uniform"}, "t5": {"num_buckets": 8, "max_distance": 16, "init_std": 0.5}}
 
 
-@pytest.mark.parametrize("scheme", DECODER_PARAMS)
-def test_decoder_positional_parameters_gradcheck(scheme):
-    options, name = DECODER_PARAMS[scheme]
+def positional_decoder(scheme: str):
     torch.manual_seed(3)
-    model = poslab.build_model({"arch": "decoder", "vocab_size": 11, "d_model": 8, "n_heads": 2, "n_layers": 2,
-                                "max_seq_len": 6, "init_std": 0.5, "attn_backend": "sdpa",
-                                "positional": {"name": scheme, "options": options}}).double().eval()
+    return poslab.build_model({"arch": "decoder", "vocab_size": 11, "d_model": 8, "n_heads": 2, "n_layers": 2,
+                               "max_seq_len": 6, "init_std": 0.5, "attn_backend": "sdpa",
+                               "positional": {"name": scheme, "options": GRADCHECK_OPTIONS.get(scheme, {})}})
+
+
+def positional_parameters(model) -> list[str]:
+    return [name for name, _ in model.named_parameters() if "positional" in name]
+
+
+# Every registered scheme with parameters: a new one is checked without being named here.
+WITH_PARAMETERS = [s for s in sorted(SCHEMES) if positional_parameters(positional_decoder(s))]
+
+
+def test_the_schemes_with_parameters_are_found():
+    assert {"pope", "t5", "learned"} <= set(WITH_PARAMETERS)
+
+
+@pytest.mark.parametrize("scheme", WITH_PARAMETERS)
+def test_decoder_positional_parameters_gradcheck(scheme):
+    model = positional_decoder(scheme).double().eval()
     params = dict(model.named_parameters())
-    assert name in params
     ids = torch.tensor([[1, 4, 2, 9, 3], [5, 5, 0, 7, 10]])
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
-    value = params[name].detach().clone()
-    if scheme == "pope":  # keep delta away from the clamp bounds
-        value = value.clamp(-2 * math.pi + 0.3, -0.3)
-    value.requires_grad_()
-    fn = lambda p: torch.func.functional_call(model, {name: p}, (ids,), {"attention_mask": mask}).logits  # noqa: E731
-    check(fn, (value,), fast_mode=True)
+    for name in positional_parameters(model):
+        value = params[name].detach().clone()
+        if name.endswith("raw_delta"):  # keep PoPE's delta away from the clamp bounds
+            value = value.clamp(-2 * math.pi + 0.3, -0.3)
+        value.requires_grad_()
+        fn = lambda p: torch.func.functional_call(model, {name: p}, (ids,),  # noqa: E731
+                                                  {"attention_mask": mask}).logits
+        check(fn, (value,), fast_mode=True)
 
 
 def dstg_model(backend="sdpa"):

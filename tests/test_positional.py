@@ -12,7 +12,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from transformers.models.t5.modeling_t5 import T5Attention
 
 from poslab.errors import ConfigError
-from poslab.positional import AttentionGeometry, PositionalConfig, build_positional
+from poslab.positional import SCHEMES, AttentionGeometry, PositionalConfig, build_positional
 from poslab.positional.alibi import alibi_slopes
 from poslab.positional.relative_bias import relative_position_bucket
 from poslab.positional.rope import RoPEOptions, rope_cos_sin, rope_inv_freq
@@ -126,7 +126,7 @@ def test_sinusoidal_matches_vaswani():
 
 
 def test_unknown_scheme_lists_valid_names():
-    with pytest.raises(ConfigError, match="valid: alibi, learned, nope, pope, rope, sinusoidal, t5"):
+    with pytest.raises(ConfigError, match="valid: " + ", ".join(sorted(SCHEMES))):
         PositionalConfig("ropee")
 
 
@@ -185,14 +185,10 @@ def test_options_take_numbers_in_yamls_string_spelling():
         RoPEOptions(original_max_len="2048.5")
 
 
-@pytest.mark.parametrize("name", ["nope", "learned", "sinusoidal", "rope", "t5", "alibi", "pope"])
+@pytest.mark.parametrize("name", sorted(SCHEMES))
 def test_scheme_capabilities_say_what_the_scheme_does(name):
     """bias_only (what DSTG accepts as its relative term) and context_scaling (what extrapolation rescales)
     are read by other modules instead of scheme names, so they must be true to the scheme."""
-    import dataclasses
-
-    from poslab.positional import SCHEMES
-
     scheme = SCHEMES[name]
     geometry = AttentionGeometry(n_layers=2, n_heads=2, head_dim=8, d_model=16, max_seq_len=16, causal=True)
     input_pos, layers = build_positional(PositionalConfig(name), geometry)
@@ -207,24 +203,35 @@ def test_scheme_capabilities_say_what_the_scheme_does(name):
     assert scheme.context_scaling == ({"scaling", "factor", "original_max_len"} <= option_names)
 
 
-@pytest.mark.parametrize("name,options,table", [
-    ("rope", {}, "inv_freq"), ("rope", {"scaling": "yarn", "factor": 4.0, "original_max_len": 16}, "inv_freq"),
-    ("pope", {}, "theta"), ("alibi", {}, "slopes"),
-])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
-def test_a_model_cast_keeps_its_fixed_tables_in_fp32(name, options, table, dtype):
-    """model.to(bf16) casts weights, not the frequency and slope tables: a bf16 inv_freq or theta is 0.4% off,
-    which at position 4000 turns RoPE's rotations by up to 0.7 rad and PoPE's phases by up to 1.7 rad."""
+def fp32_tables(model) -> dict[tuple[str, str], torch.Tensor]:
+    """Every table a positional module declares in ``fp32_tables``, by (module path, buffer name)."""
+    return {(path, table): getattr(module, table) for path, module in model.named_modules()
+            for table in getattr(module, "fp32_tables", ())}
+
+
+def cast_model(name: str, options: dict):
     import poslab
 
-    config = {"arch": "decoder", "vocab_size": 30, "d_model": 48, "n_heads": 12, "n_layers": 1, "max_seq_len": 64,
-              "positional": {"name": name, "options": options}}
-    model = poslab.build_model(config)
-    exact = getattr(model.model.layer_positional[0], table).clone()
+    return poslab.build_model({"arch": "decoder", "vocab_size": 30, "d_model": 48, "n_heads": 12, "n_layers": 1,
+                               "max_seq_len": 64, "positional": {"name": name, "options": options}})
+
+
+def test_the_schemes_with_fixed_tables_are_found():
+    assert {"rope", "pope", "alibi"} <= {name for name in SCHEMES if fp32_tables(cast_model(name, {}))}
+
+
+@pytest.mark.parametrize("name,options", [(name, {}) for name in sorted(SCHEMES)] +
+                         [("rope", {"scaling": "yarn", "factor": 4.0, "original_max_len": 16})])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_a_model_cast_keeps_its_fixed_tables_in_fp32(name, options, dtype):
+    """model.to(bf16) casts weights, not the frequency and slope tables: a bf16 inv_freq or theta is 0.4% off,
+    which at position 4000 turns RoPE's rotations by up to 0.7 rad and PoPE's phases by up to 1.7 rad."""
+    model = cast_model(name, options)
+    exact = {key: table.clone() for key, table in fp32_tables(model).items()}
     model.to(dtype)
-    kept = getattr(model.model.layer_positional[0], table)
     assert model.model.embed.weight.dtype == dtype  # the weights do follow the cast
-    assert kept.dtype == torch.float32 and torch.equal(kept, exact)
+    for key, kept in fp32_tables(model).items():
+        assert kept.dtype == torch.float32 and torch.equal(kept, exact[key]), key
 
 
 @settings(max_examples=60, deadline=None)

@@ -1,4 +1,5 @@
-"""Positional schemes: one file each, one registry line each (see ``base.py`` for the interface)."""
+"""Positional schemes: one file each, registered below by its import and one ``SCHEMES`` entry (see ``base.py``
+for the interface and what adding one takes)."""
 from __future__ import annotations
 
 import torch

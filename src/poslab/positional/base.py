@@ -12,6 +12,13 @@ A scheme is a class registered under a name (``positional/__init__.py``); ``Sche
 modules a model needs: at most one input module, and one layer module per attention layer (the same
 instance may be returned for every layer when parameters are shared). The attention module only calls
 these hooks; it never asks which scheme it holds.
+
+Adding a scheme: its file (a ``Scheme`` subclass with an ``Options`` dataclass and its modules), its import and
+one ``SCHEMES`` entry in ``positional/__init__.py``. The generic tests (tests/test_models.py, test_positional.py,
+test_gradients.py) parametrize over ``SCHEMES`` and pick it up. Two rules the models rely on: Hugging Face's
+``from_pretrained`` builds models on the meta device, so ``build``, ``__init__`` and ``init_weights`` must not
+read tensor values (``.item()``, ``float(t)``: compute from Python numbers); and fixed tables that are not
+saved (frequencies, slopes) are buffers computed again in ``init_weights``, named in ``fp32_tables``.
 """
 from __future__ import annotations
 
