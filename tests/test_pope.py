@@ -58,6 +58,21 @@ def test_pope_attention_refuses_more_queries_than_keys():
         pope_attention(torch.randn(1, 1, 5, 8), torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8))
 
 
+@pytest.mark.parametrize("q,k,v,delta,message", [
+    ((2, 8), (2, 8), (2, 8), None, "takes 4-D q, k, v"),
+    ((1, 2, 3, 8), (1, 2, 3, 4), (1, 2, 3, 8), None, "needs q .b, h, n, d., k .b, h, m, d."),
+    ((1, 2, 3, 8), (1, 3, 3, 8), (1, 3, 3, 8), None, "needs q .b, h, n, d., k .b, h, m, d."),
+    ((1, 2, 3, 8), (1, 2, 3, 8), (1, 2, 4, 8), None, "and v .b, h, m, dv."),
+    ((1, 2, 3, 8), (1, 2, 3, 8), (1, 2, 3, 8), (8,), r"delta is one phase per head and channel, \(2, 8\); got \(8,\)"),
+    ((1, 2, 3, 8), (1, 2, 3, 8), (1, 2, 3, 8), (3, 8), r"\(2, 8\); got \(3, 8\)"),
+])
+def test_pope_attention_names_shapes_that_do_not_fit(q, k, v, delta, message):
+    """They were an IndexError or a broadcasting RuntimeError from deep inside."""
+    delta = None if delta is None else torch.zeros(delta)
+    with pytest.raises(InputError, match=message):
+        pope_attention(torch.randn(q), torch.randn(k), torch.randn(v), delta)
+
+
 def pope_model(backend, delta_init="uniform", **options):
     torch.manual_seed(1)
     return poslab.build_model({"arch": "decoder", "vocab_size": 40, "d_model": 32, "n_heads": 2, "n_layers": 2,

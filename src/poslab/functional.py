@@ -46,9 +46,11 @@ def pope_polar(
     ``POPE_MAGNITUDES``), phi = pos * theta (+ bias).
 
     x (batch, heads, n, d); positions (n,) or (batch, n); theta (d,); phase_bias (heads, d) or None.
-    Returns (batch, heads, n, 2d) in x's dtype, computed in fp32 (fp64 for fp64 x). pos * theta is formed
-    in fp64 and reduced mod 2 pi before that cast: as an fp32 product it is 0.03 rad off at position 10^6,
-    and in half precision it loses the fractional part before 10^4. The fp64 table is (batch | 1, 1, n, d),
+    Returns (batch, heads, n, 2d) in x's dtype, computed in fp32 (fp64 for fp64 x). theta is taken as given
+    (the model's fp32 table: those are the frequencies it uses, for queries and keys alike); pos * theta is
+    formed in fp64 and reduced mod 2 pi before that cast, so the phase of a position, and the difference of
+    two, is exact to fp32 rounding: as an fp32 product it is 0.03 rad off at position 10^6, and in half
+    precision it loses the fractional part before 10^4. The fp64 table is (batch | 1, 1, n, d),
     shared by the heads, so it costs a fraction of x's own work.
     """
     compute = torch.promote_types(x.dtype, torch.float32)
@@ -82,6 +84,19 @@ def pope_scores(
     return torch.einsum("bhnc,bhmc,hnmc->bhnm", mu_q, mu_k, torch.cos(rel)).to(q.dtype)
 
 
+def _check_attention_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delta: torch.Tensor | None) -> None:
+    """InputError (one line) unless q (b, h, n, d), k (b, h, m, d), v (b, h, m, dv) and delta (h, d) fit."""
+    shapes = f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if not q.dim() == k.dim() == v.dim() == 4:
+        raise InputError(f"pope_attention takes 4-D q, k, v (batch, heads, length, head dim); {shapes}")
+    b, h, _, d = q.shape
+    if k.shape[:2] != (b, h) or k.shape[-1] != d or v.shape[:3] != k.shape[:3]:
+        raise InputError(f"pope_attention needs q (b, h, n, d), k (b, h, m, d) and v (b, h, m, dv); {shapes}")
+    if delta is not None and tuple(delta.shape) != (h, d):
+        raise InputError(f"pope_attention's delta is one phase per head and channel, ({h}, {d}); got "
+                         f"{tuple(delta.shape)}")
+
+
 def pope_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delta: torch.Tensor | None = None, *,
     base: float = 10000.0, causal: bool = False, scale: float | None = None,
@@ -95,6 +110,7 @@ def pope_attention(
     """
     from poslab.attention.pope import pope_sdpa  # late: attention imports this module
 
+    _check_attention_shapes(q, k, v, delta)
     if q.shape[-2] > k.shape[-2]:
         raise InputError(f"pope_attention takes at most as many queries as keys (the queries are the last of "
                          f"them), got {q.shape[-2]} queries and {k.shape[-2]} keys")
