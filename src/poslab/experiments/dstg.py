@@ -3,8 +3,9 @@ then the AP table's spectra, DSTG's head taxonomy and linear probes of document 
 
 Quick scale pretrains 2 x 64 encoders on the built-in synthetic structured-document corpus (exact
 sentence and paragraph boundaries); paper scale uses the 6 x 768 configs on FineWeb by name. The
-spectra claims read the mean over ``spectra_seeds`` trainings of DSTG and AP-NeoBERT; the probes and the
-head taxonomy read the four models of seed 0.
+claims read every training of a model: DSTG and AP-NeoBERT are trained at each of ``spectra_seeds``, and their
+spectra and probes are the mean over those seeds (the other baselines: seed 0), DSTG's head labels those of
+all its seeds pooled.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from poslab.experiments.runner import RecipeResult
 from poslab.models.dstg import count_parameters, match_ffn_hidden, ready_config
 
 MODELS = ("dstg", "ap_neobert", "rope_neobert", "rp_neobert")
+NAMES = {"dstg": "DSTG", "ap_neobert": "AP-NeoBERT", "rope_neobert": "RoPE-NeoBERT", "rp_neobert": "RP-NeoBERT"}
 DATA_DIR = Path(__file__).resolve().parents[1] / "configs" / "data"
 # Probe targets: token level, segment level (which sentence / paragraph), intra-segment.
 TOKEN, SEGMENT, INTRA = "position", "sentence_index", "pos_in_sentence"
@@ -86,7 +88,9 @@ SCALES = {
                         "DSTG heads":
                             "8 heads, twice the steps, 3 layers and the paper's 6 were tried: every DSTG head stays "
                             "AP-dominated or mixed (sem share of logit variance at most 0.48 at 6 layers; a label "
-                            "needs 0.5)."}},
+                            "needs 0.5). Until the twentieth session the claim read seed 0 alone and held with one "
+                            "semantic head; per training it held in 1 of 6 (3 seeds at two FFN widths one unit "
+                            "apart; FINDINGS.md)."}},
     "smoke": {"models": "quick", "data": "mlm_quick.yaml", "documents": 60, "tokenizer_documents": 30,
               "data_overrides": {"seq_len": 64, "packing": False}, "model_overrides": {"max_seq_len": 64},
               "train": {"steps": 3, "batch_size": 8, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 1},
@@ -173,26 +177,27 @@ def structure_probes(run: Run, opts: Options) -> tuple[dict[str, dict[str, float
     return probes, beyond
 
 
-def kept_in_last_layer(what: str, last: dict[str, float], best: float, context: dict[str, float] | None = None
-                       ) -> claims.Claim:
+def kept_in_last_layer(what: str, last: dict[str, float], best: float, context: dict[str, float] | None = None,
+                       over: str = "") -> claims.Claim:
     """The paper's "stays high in DSTG's last layer, degrades in the baselines", from each model's last-layer
     R^2 (``last``) and DSTG's best over its embedding and block outputs: DSTG's last layer above every
-    baseline's, and at least 0.9 of DSTG's best. ``context``: more values the table shows, not judged."""
+    baseline's, and at least 0.9 of DSTG's best. ``context``: more values the table shows, not judged;
+    ``over``: what the values average (said in the claim)."""
     held = all(last["dstg"] > last[m] for m in last if m != "dstg") and last["dstg"] >= 0.9 * best
-    return claims.Claim(f"{what} kept in DSTG's last layer, above every baseline (linear probe R^2)",
+    return claims.Claim(f"{what} kept in DSTG's last layer, above every baseline (linear probe R^2{over})",
                         "kept vs lost",
                         {**{k: claims.rounded(v) for k, v in {**last, **(context or {})}.items()},
                          "dstg best": claims.rounded(best)},
                         held, "dstg > every baseline and dstg >= 0.9 x dstg best (embedding or any block output)")
 
 
-def structure_beyond_position(beyond: dict[str, dict[str, float]]) -> claims.Claim:
+def structure_beyond_position(beyond: dict[str, dict[str, float]], over: str = "") -> claims.Claim:
     """The paper's "DSTG keeps document structure" read strictly: the sentence index the last layer tells
     beyond the token's position, as each model's gain in R^2 over a probe of the position alone (``beyond``:
     model -> structure_probes' second dict). The position is the same for every model: so is that probe."""
     gains = {m: b["last layer + position"] - b["position alone"] for m, b in beyond.items()}
     return claims.Claim("segment-level position (sentence index) beyond token position: the last layer's gain "
-                        "in R^2 when a probe sees it besides the position (one-hot), DSTG above every baseline",
+                        f"in R^2 when a probe sees it besides the position (one-hot), DSTG above every baseline{over}",
                         "keeps document structure",
                         {**{m: claims.rounded(g) for m, g in gains.items()},
                          "position alone": claims.rounded(beyond["dstg"]["position alone"])},
@@ -200,14 +205,14 @@ def structure_beyond_position(beyond: dict[str, dict[str, float]]) -> claims.Cla
                         "dstg gain > every baseline's gain")
 
 
-def lost_by_last_layer(per_layer: dict[str, float], n_layers: int) -> claims.Claim:
+def lost_by_last_layer(per_layer: dict[str, float], n_layers: int, over: str = "") -> claims.Claim:
     """The paper's "entangled AP encodes structure in middle layers but loses most of it in the last layer":
     AP-NeoBERT's sentence-index R^2 at its last block's output (``per_layer``: layer name -> R^2) below half
     of its best earlier block output's. A one-layer model has no earlier block and fails."""
     last = per_layer[f"blocks.{n_layers - 1}.resid_post"]
     earlier = max((per_layer[f"blocks.{i}.resid_post"] for i in range(n_layers - 1)), default=math.nan)
     return claims.Claim("AP-NeoBERT encodes segment-level position (sentence index) before its last layer and "
-                        "loses most of it there (linear probe R^2)", "kept in middle layers, mostly lost in the last",
+                        f"loses most of it there (linear probe R^2{over})", "kept in middle layers, mostly lost in the last",
                         {"last layer": claims.rounded(last), "best earlier layer": claims.rounded(earlier)},
                         math.isfinite(last) and math.isfinite(earlier) and last < 0.5 * earlier,
                         "last layer < 0.5 x best earlier layer (block outputs)")
@@ -217,6 +222,33 @@ SPECTRA_MODELS = ("dstg", "ap_neobert")
 # The order the trainings queue in, longest first so that parallel workers finish together (a quick training
 # of DSTG, RP-, RoPE- and AP-NeoBERT took ~150, 119, 92 and 76 s on 2026-11-30: runs/quick-s13).
 TRAINING_ORDER = ("dstg", "rp_neobert", "rope_neobert", "ap_neobert")
+
+
+def best_of(per_layer: dict[str, float], stream: str = "", embedding: bool = False) -> float:
+    """The best R^2 (``per_layer``: layer name -> R^2) over the block outputs of one stream ("" = the whole
+    state; DSTG's ".sem", ".ap"), and over the embedding's too with ``embedding``."""
+    return max(r2 for layer, r2 in per_layer.items()
+               if (layer.startswith("blocks.") and layer.endswith(f"resid_post{stream}"))
+               or (embedding and layer == f"embed{stream}"))
+
+
+def last_and_best(per_layer: dict[str, float], n_layers: int) -> list[float]:
+    """The last block output's R^2, the best over the embedding and block outputs, and their ratio."""
+    last, best = per_layer[f"blocks.{n_layers - 1}.resid_post"], best_of(per_layer, embedding=True)
+    return [last, best, last / best]
+
+
+def seeds_of(model: str, scale: dict) -> list[int]:
+    """The seeds a model is trained at: every spectra seed for DSTG and AP-NeoBERT, seed 0 for the others."""
+    return sorted({0, *scale["spectra_seeds"]}) if model in SPECTRA_MODELS else [0]
+
+
+def seed_mean(values: list[dict]) -> dict:
+    """The mean of nested {key: ... float} mappings of the same shape (one per seed)."""
+    first = values[0]
+    if isinstance(first, dict):
+        return {key: seed_mean([v[key] for v in values]) for key in first}
+    return statistics.fmean(values)
 
 
 def run_name(model: str, seed: int) -> str:
@@ -234,7 +266,7 @@ def runs(scale_name: str, out: Path) -> dict[str, tuple[dict, Path]]:
     for name in TRAINING_ORDER:
         model = sections[name]
         model["vocab_size"] = None  # the trained tokenizer's
-        for seed in sorted({0, *scale["spectra_seeds"]}) if name in SPECTRA_MODELS else [0]:
+        for seed in seeds_of(name, scale):
             configs[run_name(name, seed)] = (
                 {"seed": seed, "model": model, "data": data,
                  "train": {"eval_every": 0, "eval_batches": 8, "log_every": 50, **scale["train"]}},
@@ -257,25 +289,31 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
     spectra = {(name, seed): ap_spectrum(loaded[run_name(name, seed)], rows) for name in SPECTRA_MODELS for seed in seeds}
     for name in SPECTRA_MODELS:
         spectra_analysis(loaded[name], opts)
-    head_data = heads_analysis(loaded["dstg"], opts)
-    probed = {name: structure_probes(loaded[name], opts) for name in MODELS}
-    probe = {name: probes for name, (probes, _) in probed.items()}
-    beyond = {name: b for name, (_, b) in probed.items()}
+    # A 2 x 64 model's probes and head labels moved with a one-unit change of DSTG's FFN width (a new draw of
+    # every weight): they are read over every seed trained, as the spectra are (FINDINGS.md, twentieth session).
+    dstg_seeds = seeds_of("dstg", scale)
+    head_data = {seed: heads_analysis(loaded[run_name("dstg", seed)], opts) for seed in dstg_seeds}
+    counts = {label: sum(h["counts"].get(label, 0) for h in head_data.values())
+              for label in sorted({label for h in head_data.values() for label in h["counts"]})}
+    probed = {(name, seed): structure_probes(loaded[run_name(name, seed)], opts)
+              for name in MODELS for seed in seeds_of(name, scale)}
+    probe = {name: seed_mean([probed[name, seed][0] for seed in seeds_of(name, scale)]) for name in MODELS}
+    beyond = {name: seed_mean([probed[name, seed][1] for seed in seeds_of(name, scale)]) for name in MODELS}
+    averaged = [name for name in MODELS if len(seeds_of(name, scale)) > 1]
+    over_probes = (f"; {' and '.join(NAMES[m] for m in averaged)}: mean of {len(dstg_seeds)} seeds"
+                   if averaged else "")
+    over_heads = f" ({len(dstg_seeds)} seeds' heads pooled)" if len(dstg_seeds) > 1 else ""
     for name in ("dstg", "ap_neobert"):
         figures += [rel(loaded[name].out_dir / f, out) for f in ("spectra_pca.png", "spectra_components.png",
                                                                 "spectra_dct.png")]
-    figures += [rel(loaded["dstg"].out_dir / f, out) for f in head_data["figures"]]
+    figures += [rel(loaded["dstg"].out_dir / f, out) for f in head_data[0]["figures"]]
 
     def last_layer(name: str, target: str, stream: str = "") -> float:
         """R^2 from the last block's residual stream (the whole [AP | sem] state for DSTG, or one stream)."""
         return probe[name][target][f"blocks.{loaded[name].model.config.num_hidden_layers - 1}.resid_post{stream}"]
 
     def best_layer(name: str, target: str, stream: str = "", embedding: bool = False) -> float:
-        """The best R^2 over the block outputs of one stream ("" = the whole state; DSTG's ".sem", ".ap"), and
-        over the embedding's too with ``embedding``."""
-        return max(r2 for layer, r2 in probe[name][target].items()
-                   if (layer.startswith("blocks.") and layer.endswith(f"resid_post{stream}"))
-                   or (embedding and layer == f"embed{stream}"))
+        return best_of(probe[name][target], stream, embedding)
 
     def semantic_stream(name: str) -> str:
         """".sem" for a model with a separate semantic stream (DSTG), "" (the whole state) otherwise."""
@@ -291,7 +329,6 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
     top2_at = {name: statistics.fmean(at_width[name, seed] for seed in seeds) for name in SPECTRA_MODELS}
     low_bins = {name: statistics.fmean(low_bins_by_seed[name, seed] for seed in seeds) for name in SPECTRA_MODELS}
     over = f"mean of {len(seeds)} seeds" if len(seeds) > 1 else "one seed"
-    counts = head_data["counts"]
     n_heads = sum(counts.values())
     result_claims = [
         claims.exceeds(f"top-2 PCA share of the AP table (positions most sequences reach; {over}): DSTG far "
@@ -308,16 +345,17 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
                         "nearly all", low_bins["dstg"], 0.8),
         kept_in_last_layer("segment-level position (sentence index)", {m: last_layer(m, SEGMENT) for m in MODELS},
                            best_layer("dstg", SEGMENT, embedding=True),
-                           {"token position alone": beyond["dstg"]["position alone"]}),
-        structure_beyond_position(beyond),
-        lost_by_last_layer(probe["ap_neobert"][SEGMENT], loaded["ap_neobert"].model.config.num_hidden_layers),
+                           {"token position alone": beyond["dstg"]["position alone"]}, over_probes),
+        structure_beyond_position(beyond, over_probes),
+        lost_by_last_layer(probe["ap_neobert"][SEGMENT], loaded["ap_neobert"].model.config.num_hidden_layers,
+                           over_probes),
         kept_in_last_layer("token-level absolute position", {m: last_layer(m, TOKEN) for m in MODELS},
-                           best_layer("dstg", TOKEN, embedding=True)),
+                           best_layer("dstg", TOKEN, embedding=True), over=over_probes),
         claims.all_of("intra-segment position (position in sentence) recoverable from the semantic subspace in "
-                      "every model (best block output R^2 >= 0.5; DSTG: its sem stream)", "all models",
+                      f"every model (best block output R^2 >= 0.5; DSTG: its sem stream{over_probes})", "all models",
                       {m: best_layer(m, INTRA, semantic_stream(m)) for m in MODELS}, 0.5),
         claims.Claim("DSTG heads split almost exclusively into structure (AP) and semantic heads, no pure RP "
-                     "heads", "structure + semantic, no pure RP", counts,
+                     f"heads{over_heads}", "structure + semantic, no pure RP", counts,
                      counts.get("structure", 0) > 0 and counts.get("semantic", 0) > 0
                      and counts.get("structure", 0) + counts.get("semantic", 0) >= 0.8 * n_heads
                      and counts.get("relative", 0) == 0,
@@ -330,12 +368,19 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
          "rows": [[m, seed, top2_by_seed[m, seed], at_width[m, seed], low_bins_by_seed[m, seed]] for m, seed in spectra]
          + [[m, over, top2[m], top2_at[m], low_bins[m]] for m in SPECTRA_MODELS]},
         {"title": "Linear probes (test R^2) at the last layer; the sentence index beyond token position: R^2 of "
-                  "the last layer and the position (one-hot) together, and of the position alone",
+                  f"the last layer and the position (one-hot) together, and of the position alone{over_probes}",
          "columns": ["model", TOKEN, SEGMENT, INTRA, f"{SEGMENT}: last layer + position", "position alone"],
          "rows": [[m, last_layer(m, TOKEN), last_layer(m, SEGMENT), last_layer(m, INTRA),
                    beyond[m]["last layer + position"], beyond[m]["position alone"]] for m in MODELS]
          + [[f"dstg {s} stream", *[last_layer("dstg", t, f".{s}") for t in (TOKEN, SEGMENT, INTRA)], "", ""]
             for s in ("ap", "sem")]},
+        {"title": "DSTG by seed: sentence-index R^2 at the last layer and at the best of the embedding and block "
+                  "outputs, and the head labels",
+         "columns": ["seed", "last layer", "best", "last / best", "heads"],
+         "rows": [[seed, *last_and_best(probed["dstg", seed][0][SEGMENT],
+                                        loaded["dstg"].model.config.num_hidden_layers),
+                   ", ".join(f"{label} {n}" for label, n in sorted(head_data[seed]["counts"].items()))]
+                  for seed in dstg_seeds]},
         {"title": "Pretraining", "columns": ["model", "parameters", "final MLM loss", "eval accuracy"],
          "rows": [[m, loaded[m].model.num_parameters(), finals[m].get("train_loss"),
                    finals[m].get("eval_token_accuracy")] for m in MODELS]},
@@ -350,4 +395,5 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
                                  "top2_by_seed": {m: [top2_by_seed[m, seed] for seed in seeds] for m in SPECTRA_MODELS},
                                  "low_bins_by_seed": {m: [low_bins_by_seed[m, seed] for seed in seeds]
                                                       for m in SPECTRA_MODELS},
-                                 "heads": counts, "probes": probe, "segment_beyond_position": beyond})
+                                 "heads": counts, "heads_by_seed": {seed: h["counts"] for seed, h in head_data.items()},
+                                 "probes": probe, "segment_beyond_position": beyond})
