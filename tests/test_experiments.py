@@ -178,26 +178,21 @@ def interrupt(recipe: str, monkeypatch) -> None:
     monkeypatch.setitem(runner.RECIPES, recipe, ("fake_recipes:boom", recipe))
 
 
-def test_a_training_run_directory_is_refused_as_out(tmp_path, fake_recipes):
-    """`poslab train --out DIR` then `poslab reproduce --out DIR` wrote the report beside the run's checkpoints."""
-    (tmp_path / "config.yaml").write_text("seed: 0\n")
-    (tmp_path / "checkpoints").mkdir()
-    with pytest.raises(PoslabError, match=f"^{re.escape(str(tmp_path))} is a training run .*; reproduce into another "
-                                          "--out$"):
+@pytest.mark.parametrize("file, folder, message", [
+    # `poslab train --out DIR` then `poslab reproduce --out DIR` wrote the report beside the run's checkpoints.
+    ("config.yaml", "checkpoints", "is a training run .*; reproduce into another --out"),
+    # A prepared corpus (say) named as --out got the report, results.json and recipe directories mixed in.
+    ("manifest.json", "train", "holds files but no reproduction .*; reproduce into a new or empty --out"),
+])
+def test_a_directory_of_other_files_is_refused_as_out(file, folder, message, tmp_path, fake_recipes):
+    (tmp_path / file).write_text("seed: 0\n")
+    (tmp_path / folder).mkdir()
+    with pytest.raises(PoslabError, match=f"^{re.escape(str(tmp_path))} {message}$"):
         runner.reproduce(["one"], "smoke", tmp_path, log=lambda _: None)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "config.yaml"] and fake_recipes == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([file, folder]) and fake_recipes == []
 
 
-def test_a_directory_of_other_files_is_refused_as_out(tmp_path, fake_recipes):
-    """A prepared corpus (say) named as --out got the report, results.json and recipe directories mixed in."""
-    (tmp_path / "manifest.json").write_text("{}")
-    (tmp_path / "train").mkdir()
-    with pytest.raises(PoslabError, match=f"^{re.escape(str(tmp_path))} holds files but no reproduction .*; "
-                                          "reproduce into a new or empty --out$"):
-        runner.reproduce(["one"], "smoke", tmp_path, log=lambda _: None)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "train"] and fake_recipes == []
-    (tmp_path / "manifest.json").unlink()
-    (tmp_path / "train").rmdir()
+def test_a_directory_holding_only_a_lock_is_a_reproduction_s(tmp_path, fake_recipes):
     (tmp_path / ".lock").write_text("")  # what a reproduction killed before its first file leaves
     runner.reproduce(["one"], "smoke", tmp_path, log=lambda _: None)
     assert fake_recipes == ["one"]
