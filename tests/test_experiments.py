@@ -169,10 +169,15 @@ def test_a_second_reproduction_into_a_busy_directory_is_refused(tmp_path, fake_r
     assert fake_recipes == ["one", "two"] and not (tmp_path / ".lock").exists()
 
 
-def interrupt(recipe: str, monkeypatch) -> None:
-    """Make a fake recipe stop as a Ctrl-C would stop it."""
+def interrupt(recipe: str, monkeypatch, error: BaseException = KeyboardInterrupt(), trained: bool = True) -> None:
+    """Make a fake recipe stop as a Ctrl-C (or ``error``) would stop it, after its first training wrote a
+    checkpoint unless not ``trained``."""
     def boom(scale, out, log, jobs, device):
-        raise KeyboardInterrupt
+        (out / "data").mkdir(parents=True)  # as a recipe preparing its corpus
+        if trained:
+            (out / "runs" / "model" / "checkpoints").mkdir(parents=True)
+            (out / "runs" / "model" / "checkpoints" / "step_10.pt").write_bytes(b"weights")
+        raise error
 
     sys.modules["fake_recipes"].boom = boom
     monkeypatch.setitem(runner.RECIPES, recipe, ("fake_recipes:boom", recipe))
@@ -216,6 +221,29 @@ def test_another_scale_is_refused_before_any_recipe_finished(tmp_path, fake_reci
     (legacy / "two").mkdir(parents=True)
     runner.reproduce(["two"], "smoke", legacy, log=lambda _: None)
     assert not (legacy / "scale.json").exists()
+
+
+def test_a_first_reproduction_that_failed_before_writing_anything_leaves_no_marker(tmp_path, fake_recipes,
+                                                                                 monkeypatch):
+    """A paper-scale run whose corpus could not be reached left scale.json and empty recipe directories: another
+    scale was then refused in a directory holding nothing."""
+    out = tmp_path / "out"
+    interrupt("one", monkeypatch, PoslabError("cannot load Hugging Face dataset 'x'"), trained=False)
+    with pytest.raises(PoslabError, match="cannot load"):
+        runner.reproduce(["all"], "smoke", out, log=lambda _: None)
+    assert [p.name for p in out.iterdir()] == []
+    runner.reproduce(["two"], "quick", out, log=lambda _: None)  # another scale is welcome there
+    assert json.loads((out / "scale.json").read_text()) == {"scale": "quick"}
+    # A marker that an earlier reproduction wrote stays, as does one whose run wrote a file before it failed.
+    interrupt("one", monkeypatch, trained=False)
+    with pytest.raises(KeyboardInterrupt):
+        runner.reproduce(["one"], "quick", out, log=lambda _: None)
+    assert (out / "scale.json").exists()
+    fresh = tmp_path / "fresh"
+    interrupt("one", monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        runner.reproduce(["one"], "quick", fresh, log=lambda _: None)
+    assert (fresh / "scale.json").exists() and (fresh / "one" / "runs" / "model" / "checkpoints").is_dir()
 
 
 def test_damaged_results_are_rebuilt_or_redone(tmp_path, fake_recipes):

@@ -32,7 +32,7 @@ from poslab.errors import ConfigError, PoslabError, unknown_key_message
 from poslab.experiments.claims import Claim
 from poslab.experiments.common import ensure_runs, first_trained_otherwise, train_ahead
 from poslab.files import atomic_write_text
-from poslab.train.lock import RunLock
+from poslab.train.lock import LOCK_FILE, RunLock
 from poslab.train.parallel import Parallel
 
 SCALES = ("quick", "paper", "smoke")  # smoke: seconds-long runs that exercise a recipe in tests
@@ -246,11 +246,25 @@ def finished_at_scale(out: Path, scale: str, log: Callable[[str], None]) -> dict
     return recipes
 
 
-def _mark_scale(out: Path, scale: str) -> None:
-    """Name the scale of the trainings about to start in a fresh ``out``. Not in a directory that recipes
-    wrote before the marker existed: what it holds is unknown, and a wrong marker would lock it."""
+def _mark_scale(out: Path, scale: str) -> bool:
+    """Name the scale of the trainings about to start in a fresh ``out``; whether it did. Not in a directory
+    that recipes wrote before the marker existed: what it holds is unknown, and a wrong marker would lock it."""
     if _is_main() and not (out / SCALE_FILE).exists() and not any((out / name).exists() for name in RECIPES):
         write_json(out / SCALE_FILE, {"scale": scale})
+        return True
+    return False
+
+
+def _unmark_if_empty(out: Path) -> None:
+    """Undo a fresh ``out``'s marker and empty recipe directories when its first reproduction failed before
+    writing a file (a corpus that cannot be reached, say): the marker alone would refuse another scale there."""
+    written = [path for path in out.rglob("*") if path.is_file() and path.name not in (SCALE_FILE, LOCK_FILE)]
+    if written:
+        return
+    for folder in sorted((path for path in out.rglob("*") if path.is_dir()), key=lambda p: len(p.parts),
+                         reverse=True):
+        folder.rmdir()
+    (out / SCALE_FILE).unlink(missing_ok=True)
 
 
 def _run_recipes(names: list[str], scale: str, out: Path, force: bool, log: Callable[[str], None],
@@ -270,16 +284,21 @@ def _run_recipes(names: list[str], scale: str, out: Path, force: bool, log: Call
         if stale is not None:
             raise PoslabError(f"[{name}] {stale} than this version of the recipe uses; delete it to train it again, "
                               "or reproduce into another --out")
-    if todo:
-        _mark_scale(out, scale)
+    marked = bool(todo) and _mark_scale(out, scale)
     # While one recipe is analysed, worker processes train the next ones' models (each recipe's seconds are then
     # the wall time of its turn, whose trainings may have started during the turns before it).
-    with train_ahead([runs[name] for name in todo], jobs, log):
-        for name in names:
-            if name in todo:
-                _run_recipe(name, modules[name], recipes, scale, out, log, jobs, device)
-            else:
-                log(f"[{name}] already finished ({recipes[name]['seconds']:.0f} s); skipping (use --force to redo)")
+    try:
+        with train_ahead([runs[name] for name in todo], jobs, log):
+            for name in names:
+                if name in todo:
+                    _run_recipe(name, modules[name], recipes, scale, out, log, jobs, device)
+                else:
+                    log(f"[{name}] already finished ({recipes[name]['seconds']:.0f} s); skipping (use --force to "
+                        "redo)")
+    except BaseException:
+        if marked:
+            _unmark_if_empty(out)
+        raise
     if _is_main():
         _write_all(out, scale, recipes, jobs)
     return recipes
