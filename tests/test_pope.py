@@ -27,7 +27,8 @@ def test_scores_equal_the_sum_over_components():
     got = pope_scores(q, k, delta)
     sp = torch.nn.functional.softplus
     for h, t, s in [(0, 0, 0), (1, 4, 2), (0, 3, 6), (1, 1, 5)]:
-        expected = sum(sp(q[0, h, t, c]) * sp(k[0, h, s, c]) * math.cos((s - t) * theta[c] + delta[h, c])
+        position = t + 2  # the 5 queries are the last 5 of the 7 keys' positions, as pope_attention has them
+        expected = sum(sp(q[0, h, t, c]) * sp(k[0, h, s, c]) * math.cos((s - position) * theta[c] + delta[h, c])
                        for c in range(6))
         assert got[0, h, t, s].item() == pytest.approx(expected.item(), rel=1e-5)
 
@@ -164,12 +165,12 @@ def test_ablation_magnitudes_enter_the_score_and_the_model(magnitude, by_hand):
     got = pope_scores(q, k, delta, magnitude=magnitude)
     for h, t, s in [(0, 0, 0), (1, 4, 2), (0, 3, 6)]:
         expected = sum(by_hand(q[0, h, t, c].item()) * by_hand(k[0, h, s, c].item())
-                       * math.cos((s - t) * theta[c].item() + delta[h, c].item()) for c in range(6))
+                       * math.cos((s - t - 2) * theta[c].item() + delta[h, c].item()) for c in range(6))
         assert got[0, h, t, s].item() == pytest.approx(expected, rel=1e-9, abs=1e-12)
     pos = torch.arange(7)
     cart = pope_polar(q, pos[2:], theta, magnitude=magnitude) @ pope_polar(k, pos, theta, delta,
                                                                           magnitude=magnitude).transpose(-1, -2)
-    torch.testing.assert_close(cart, pope_scores(q, k, delta, q_positions=pos[2:], magnitude=magnitude))
+    torch.testing.assert_close(cart, pope_scores(q, k, delta, magnitude=magnitude))  # queries at the last 5 positions
 
     model, sdpa = pope_model("eager", magnitude=magnitude), pope_model("sdpa", magnitude=magnitude)
     x = torch.randint(0, 40, (2, 11))

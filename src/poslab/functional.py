@@ -70,11 +70,12 @@ def pope_scores(
     """The explicit formula a_ts = sum_c mu_q,c mu_k,c cos((s - t) theta_c + delta_c), unscaled; mu = softplus
     (or another of ``POPE_MAGNITUDES``).
 
-    q (batch, heads, n, d), k (batch, heads, m, d) -> (batch, heads, n, m). O(n m d) memory: a
+    q (batch, heads, n, d), k (batch, heads, m, d) -> (batch, heads, n, m). Positions default as
+    ``pope_attention`` places them: keys at 0..m-1, queries at m-n..m-1 (the last n). O(n m d) memory: a
     reference for tests, not a fast path.
     """
     n, m, d = q.shape[-2], k.shape[-2], q.shape[-1]
-    t = torch.arange(n, device=q.device) if q_positions is None else q_positions
+    t = torch.arange(m - n, m, device=q.device) if q_positions is None else q_positions
     s = torch.arange(m, device=q.device) if k_positions is None else k_positions
     theta = pope_frequencies(d, base, q.device).double()
     rel = (s.double()[None, :] - t.double()[:, None])[None, :, :, None] * theta  # (1, n, m, d)
