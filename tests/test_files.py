@@ -1,4 +1,7 @@
 """Atomic writes: the target holds the old content or the new, never a part, and no temporary file stays."""
+import os
+import stat
+
 import pytest
 
 from poslab.files import atomic_write, atomic_write_text
@@ -24,3 +27,20 @@ def test_a_failed_write_keeps_the_old_file(tmp_path):
         atomic_write(target, half_then_fail)
     assert target.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_a_written_file_has_the_mode_a_plain_write_would_have(tmp_path, monkeypatch, umask):
+    """Every config.yaml and analysis file came out 0600 (mkstemp's mode) whatever the umask: colleagues and
+    services running as another user could not read a run directory."""
+    import poslab.files
+
+    monkeypatch.setattr(poslab.files, "UMASK", umask)
+    plain = tmp_path / "plain"
+    old = os.umask(umask)
+    try:
+        plain.write_text("x")
+    finally:
+        os.umask(old)
+    written = atomic_write_text(tmp_path / "config.yaml", "seed: 0\n")
+    assert stat.S_IMODE(written.stat().st_mode) == stat.S_IMODE(plain.stat().st_mode) == 0o666 & ~umask

@@ -12,6 +12,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+# Read once, at import: setting the umask to read it would race with files other threads create meanwhile.
+UMASK = _umask()
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:
     """Call ``write(tmp)`` to fill a temporary sibling of ``path``, then rename it into place."""
     path = Path(path)
@@ -21,6 +31,9 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], object]) -> Pa
     tmp = Path(name)
     try:
         write(tmp)
+        # mkstemp makes the file 0600; a file written in place would have the umask's mode, readable by the
+        # colleagues and services it is meant for
+        os.chmod(tmp, 0o666 & ~UMASK)
         with open(tmp, "rb+") as f:  # the rename must not reach the disk before the content does
             os.fsync(f.fileno())
         os.replace(tmp, path)
