@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -121,6 +122,7 @@ def test_adjacency_variance_probes_write_json_and_figures(runs):
         assert analyze(kind, "--run", str(rope), "--sequences", "24", *extra) == 0
         data = json.loads((rope / "analysis" / f"{kind}.json").read_text())
         assert set(data["models"]) == {"trained", "init"}
+        assert (data["checkpoint"], data["step"]) == ("checkpoints/best", 3)  # the weights measured
         for fig in data["figures"]:
             assert (rope / "analysis" / fig).read_bytes()[:4] == b"\x89PNG"
     adj = json.loads((rope / "analysis" / "adjacency.json").read_text())["models"]["init"]
@@ -155,6 +157,63 @@ def test_extrapolation_several_runs_with_rope_scalings(runs, capsys):
     # Length 8x needs positions past the learned table (max_seq_len 24): recorded, not a crash.
     assert "error" in data["learned"]["curves"]["none"][-1] and "loss" in data["learned"]["curves"]["none"][0]
     assert "extrapolation: 1 evaluations failed, each recorded with its reason" in capsys.readouterr().err
+
+
+def test_compared_runs_are_told_apart_and_named_once(runs, tmp_path):
+    """Two runs whose directories share a name (a/seed0, b/seed0): the second's curves replaced the first's,
+    under its name."""
+    shutil.copytree(runs / "learned", tmp_path / "other" / "rope")
+    other = tmp_path / "other" / "rope"
+    assert analyze("extrapolation", "--run", str(runs / "rope"), "--compare", str(other), "--sequences", "8",
+                   "--factors", "1", "2", "--scalings") == 0
+    data = json.loads((runs / "rope" / "analysis" / "extrapolation.json").read_text())["runs"]
+    assert {key: run["dir"] for key, run in data.items()} == {str(runs / "rope"): str(runs / "rope"),
+                                                              str(other): str(other)}
+    assert all(run["step"] == 3 and run["checkpoint"].startswith("checkpoints/") for run in data.values())
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(runs / 'rope'))}/? is given more than once; --run and "
+                                          "--compare name each run once$"):
+        analyze("extrapolation", "--run", str(runs / "rope"), "--compare", str(runs / "rope") + "/")
+
+
+def test_a_run_that_cannot_go_past_its_training_length_is_refused(runs):
+    """A learned position table (max_seq_len 24) cannot be read past it: every longer length failed, yet the
+    analysis exited 0 with a one-point figure."""
+    before = sorted((runs / "learned" / "analysis").glob("extrapolation*"))
+    with pytest.raises(DataError, match=f"^{re.escape(str(runs / 'learned'))} could not be evaluated past its "
+                                        r"training length \(\d+\), so nothing was written; the first reason: "
+                                        "position .* is beyond the learned position table") as err:
+        analyze("extrapolation", "--run", str(runs / "learned"), "--sequences", "8", "--factors", "1", "8")
+    _one_line(err.value)
+    assert sorted((runs / "learned" / "analysis").glob("extrapolation*")) == before
+
+
+def test_a_rerun_removes_the_figures_it_no_longer_draws(runs):
+    """A rerun that draws fewer figures (probes without its classification panel, say) left the old ones beside
+    the new JSON; figures the JSON never listed are not poslab's to remove."""
+    folder = runs / "rope" / "analysis"
+    folder.mkdir(exist_ok=True)
+    (folder / "adjacency.json").write_text(json.dumps({"figures": ["adjacency_old.png", "../config.yaml"]}))
+    for name in ("adjacency_old.png", "mine.png"):
+        (folder / name).write_bytes(b"\x89PNG")
+    assert analyze("adjacency", "--run", str(runs / "rope"), "--sequences", "8") == 0
+    assert not (folder / "adjacency_old.png").exists() and (folder / "mine.png").exists()
+    assert (runs / "rope" / "config.yaml").exists()
+    listed = json.loads((folder / "adjacency.json").read_text())["figures"]
+    assert listed and all((folder / name).exists() for name in listed)
+
+
+@pytest.mark.parametrize("kind, option, users", [
+    ("adjacency", ["--compare", "x"], "extrapolation"), ("variance", ["--threshold", "0.9"], "heads"),
+    ("spectra", ["--sequences", "8"], "adjacency, variance, probes, heads, frequencies, extrapolation"),
+    ("heads", ["--eval-data", "x.yaml"], "extrapolation"), ("extrapolation", ["--split", "test"], None),
+    ("probes", ["--factors", "2"], "extrapolation"), ("frequencies", ["--probe-steps", "3"], "probes")])
+def test_an_option_the_kind_does_not_read_is_refused(kind, option, users, tmp_path):
+    """They were dropped without a word: `analyze adjacency --compare B` measured one run and exited 0."""
+    name = option[0]
+    users = users or "adjacency, variance, probes, heads, frequencies"
+    with pytest.raises(ConfigError, match=f"^analyze {kind} does not use {name} \\(read by {users}\\); leave it "
+                                          "out$"):
+        analyze(kind, "--run", str(tmp_path / "nowhere"), *option)
 
 
 @pytest.mark.parametrize("options,length", [({"max_len": 5}, 5), ({"max_len": 12, "train_max_len": 7}, 7),
@@ -445,7 +504,8 @@ def test_extrapolation_that_evaluates_no_length_writes_nothing(lm_run, tmp_path,
     assert main(["analyze", "extrapolation", "--run", str(lm_run / "run"), "--eval-data", str(short),
                  "--sequences", "2", "--batch-size", "2", "--factors", "1", "2", "--scalings"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "no evaluation length could be evaluated, so nothing was written" in err, err
+    assert err.count("\n") == 1 and "could not be evaluated past its training length (16), so nothing was written; " \
+        "the first reason: the evaluation text holds" in err, err
     assert {p.name: p.read_bytes() for p in (lm_run / "run" / "analysis").iterdir()} == written
 
 

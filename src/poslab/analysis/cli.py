@@ -1,7 +1,7 @@
 """``poslab analyze KIND --run DIR [...]``: measure a trained run; writes DIR/analysis/<kind>.json and PNGs.
 
 KIND: adjacency, variance, probes, spectra, heads, frequencies, extrapolation (see
-``poslab.analysis.commands``). Options a KIND does not use are ignored.
+``poslab.analysis.commands``). An option the KIND does not use is refused.
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from poslab.analysis.commands import ANALYSES, Options
+    from poslab.analysis.commands import ANALYSES, READS, Options
     from poslab.analysis.runs import Run, analysis_device
 
     if args.kind not in ANALYSES:
@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         if not 0 < factor <= MAX_FACTOR:  # nan and inf too
             raise ConfigError(f"--factors must lie in (0, {MAX_FACTOR}] (multiples of the training length), "
                               f"got {factor}")
+    check_used(args, READS)
     device = analysis_device(args.device, "--device")
     eval_data = load_eval_data(args.eval_data) if args.eval_data else None
     opts = Options(sequences=args.sequences, batch_size=args.batch_size, split=args.split,
@@ -85,6 +86,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"{args.kind}: {len(failed)} evaluations failed, each recorded with its reason; the first: {failed[0]}",
               file=sys.stderr)
     return 0
+
+
+def check_used(args: argparse.Namespace, reads: dict[str, set[str]]) -> None:
+    """ConfigError (one line) for an option set away from its default that ``args.kind`` does not read."""
+    from poslab.analysis.commands import Options
+
+    defaults = Options()
+    for name in ("sequences", "batch_size", "split", "targets", "probe_steps", "max_classes", "threshold",
+                 "factors", "scalings", "compare", "eval_data"):
+        value, unset = getattr(args, name), getattr(defaults, name)
+        if name not in reads[args.kind] and value is not None and value != (list(unset) if isinstance(unset, tuple)
+                                                                            else unset):
+            users = [kind for kind, used in reads.items() if name in used]
+            raise ConfigError(f"analyze {args.kind} does not use --{name.replace('_', '-')} (read by "
+                              f"{', '.join(users)}); leave it out")
 
 
 def load_eval_data(path: str) -> dict[str, Any]:

@@ -7,9 +7,11 @@ frequencies without rotary frequencies, heads with a single logit term) raises C
 """
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -61,9 +63,23 @@ def _models(run: Run) -> list[tuple[str, nn.Module]]:
 
 
 def _finish(run: Run, kind: str, data: dict, figures: list) -> dict:
-    data["figures"] = [str(p.name) for p in figures]
+    """Write DIR/analysis/<kind>.json, saying which weights it measured, and remove the figures of an earlier
+    <kind> analysis that this one did not draw again (beside the new JSON they would read as its own)."""
+    data = {**run.measured(), **data, "figures": [str(p.name) for p in figures]}
+    stale = set(_figures_of(run.out_dir / f"{kind}.json")) - set(data["figures"])
     plots.write_json(run.out_dir / f"{kind}.json", data)
+    for name in stale:
+        (run.out_dir / name).unlink(missing_ok=True)
     return data
+
+
+def _figures_of(path: Path) -> list[str]:
+    """The figure files an analysis JSON lists; none where it is missing or damaged."""
+    try:
+        figures = json.loads(path.read_text()).get("figures", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [name for name in figures if isinstance(name, str) and name == Path(name).name and name.endswith(".png")]
 
 
 def _nanstats(values: torch.Tensor) -> dict:
@@ -354,21 +370,33 @@ def extrapolation(run: Run, opts: Options) -> dict:
     linear / NTK / YaRN scaling at evaluation. --eval-data evaluates every run on that corpus instead of its
     own data, with the run's own tokenizer (``poslab.analysis.extrapolation.evaluation_config``)."""
     runs = [run] + [Run.load(path, opts.checkpoint, opts.device) for path in opts.compare]
+    dirs = [r.dir.resolve() for r in runs]
+    for r, resolved in zip(runs, dirs):
+        if dirs.count(resolved) > 1:
+            raise ConfigError(f"{r.dir} is given more than once; --run and --compare name each run once")
+    # Runs are named by their directory's name, by the path given where two share one (a/seed0, b/seed0)
+    names = [r.name for r in runs]
     data: dict = {"factors": list(opts.factors), "eval_data": opts.eval_data, "runs": {}}
     loss, acc = {}, {}
     for r in runs:
+        label = r.name if names.count(r.name) == 1 else str(r.dir)
         base = training_length(r.config)
         lengths = [max(1, round(f * base)) for f in opts.factors]
         r.source()  # evaluation builds its sources from the config: refuse here a corpus tokenized otherwise
         evaluated = evaluation_config(r.config, opts.eval_data)  # prepared and checked once, not per curve
         curves = {"none": evaluate_lengths(evaluated, r.model, lengths, opts.sequences, opts.batch_size)}
+        beyond = [rec for rec in curves["none"] if rec["factor"] > 1]
+        if beyond and all("error" in rec for rec in beyond):
+            # An extrapolation that reaches no length past training measures nothing of what it is for
+            raise DataError(f"{r.dir} could not be evaluated past its training length ({base}), so nothing was "
+                            f"written; the first reason: {beyond[0]['error']}")
         if get_scheme(r.config.model.to_dict().get("positional", {}).get("name", "nope")).context_scaling:
             for scaling in opts.scalings:
                 curves[scaling] = rope_scaled_lengths(evaluated, r.model, lengths, scaling, opts.sequences,
                                                       opts.batch_size)
-        data["runs"][r.name] = {"dir": str(r.dir), "training_length": base, "curves": curves}
+        data["runs"][label] = {"dir": str(r.dir), **r.measured(), "training_length": base, "curves": curves}
         for scaling, records in curves.items():
-            key = r.name if scaling == "none" else f"{r.name} +{scaling}"
+            key = label if scaling == "none" else f"{label} +{scaling}"
             x = [rec["factor"] for rec in records]
             loss[key] = (x, [rec.get("loss") for rec in records])
             metric = "exact_match" if any("exact_match" in rec for rec in records) else "token_accuracy"
@@ -377,9 +405,10 @@ def extrapolation(run: Run, opts: Options) -> dict:
     if all("error" in rec for rec in records):  # a result of failures only must not replace a measured one
         raise DataError(f"no evaluation length could be evaluated, so nothing was written; the first reason: "
                         f"{records[0]['error']}")
-    figures = [plots.lines(run.out_dir / "extrapolation_loss.png", loss, "Loss against evaluation length",
+    figures = [plots.lines(run.out_dir / "extrapolation_loss.png", loss, f"{run.name}: loss against evaluation length",
                            "evaluation length / training length", "loss"),
-               plots.lines(run.out_dir / "extrapolation_accuracy.png", acc, "Accuracy against evaluation length",
+               plots.lines(run.out_dir / "extrapolation_accuracy.png", acc,
+                           f"{run.name}: accuracy against evaluation length",
                            "evaluation length / training length", "accuracy (exact match for tasks)")]
     return _finish(run, "extrapolation", data, figures)
 
@@ -392,4 +421,17 @@ ANALYSES: dict[str, Callable[[Run, Options], dict]] = {
     "heads": heads,
     "frequencies": frequencies,
     "extrapolation": extrapolation,
+}
+
+# The options (Options fields) each KIND reads besides the checkpoint and device; the command line refuses the
+# others, which would otherwise be dropped without a word.
+_BATCHES = {"sequences", "batch_size", "split"}
+READS: dict[str, set[str]] = {
+    "adjacency": _BATCHES,
+    "variance": _BATCHES,
+    "probes": _BATCHES | {"targets", "probe_steps", "max_classes"},
+    "spectra": set(),
+    "heads": _BATCHES | {"threshold"},
+    "frequencies": _BATCHES,
+    "extrapolation": {"sequences", "batch_size", "factors", "scalings", "compare", "eval_data"},
 }

@@ -17,7 +17,8 @@ from poslab.errors import CheckpointError, DataError, require
 from poslab.models import build_model
 from poslab.train.config import RunConfig
 from poslab.train.provenance import tokenizer_difference
-from poslab.train.trainer import load_run
+from poslab.train.checkpoint import load_trainer_state
+from poslab.train.trainer import load_run_checkpoint
 
 ANALYSIS_DIR = "analysis"
 DEVICES = ("auto", "cpu", "cuda")  # reproduce --analysis-device; analysis_device takes cuda:N and mps too
@@ -50,6 +51,7 @@ class Run:
     dir: Path
     config: RunConfig
     model: torch.nn.Module
+    checkpoint: Path | None = None  # the checkpoint directory the model's weights came from
 
     @classmethod
     def load(cls, path: str | Path, checkpoint: str | None = None, device: str = "cpu") -> Run:
@@ -58,12 +60,19 @@ class Run:
         if not path.is_dir():
             problem = "is a file, not a run directory" if path.exists() else "does not exist"
             raise CheckpointError(f"{path} {problem}; pass the --out directory of `poslab train`")
-        config, model = load_run(path, checkpoint)
+        config, model, loaded = load_run_checkpoint(path, checkpoint)
         options = config.data.options
         found = {key: _located(options[key], path, create=key == "cache_dir")
                  for key in ("cache_dir", "prepared") if isinstance(options.get(key), str)}
         config = replace(config, data=replace(config.data, options={**options, **found}))
-        return cls(path, config, model.to(device).eval())
+        return cls(path, config, model.to(device).eval(), loaded)
+
+    def measured(self) -> dict:
+        """Which weights a measurement read: the checkpoint (relative to the run) and its training step."""
+        if self.checkpoint is None:
+            return {"checkpoint": None, "step": None}
+        step = load_trainer_state(self.checkpoint).get("step")
+        return {"checkpoint": self.checkpoint.relative_to(self.dir).as_posix(), "step": step}
 
     @property
     def name(self) -> str:

@@ -83,6 +83,12 @@ def train(config: RunConfig, out_dir: str | Path, resume: bool = False, overwrit
 
 def load_run(out_dir: str | Path, which: str | None = None) -> tuple[RunConfig, torch.nn.Module]:
     """(config, model in eval mode) of a run directory; ``which`` is 'best' or 'last' (default: best if any)."""
+    return load_run_checkpoint(out_dir, which)[:2]
+
+
+def load_run_checkpoint(out_dir: str | Path, which: str | None = None
+                        ) -> tuple[RunConfig, torch.nn.Module, Path]:
+    """``load_run`` and the checkpoint directory it loaded (an intact copy where the named one is damaged)."""
     out_dir = Path(out_dir)
     if not (out_dir / CONFIG_FILE).is_file():
         raise CheckpointError(f"{out_dir} is not a run directory (no {CONFIG_FILE})")
@@ -101,7 +107,7 @@ def load_run(out_dir: str | Path, which: str | None = None) -> tuple[RunConfig, 
         ckpt.warn(f"{problems[0]}; using {path}")
     model = build_model(config.model)
     ckpt.load_weights(model, path)
-    return config, model.eval()
+    return config, model.eval(), path
 
 
 def load_saved_config(run: Path) -> RunConfig:
