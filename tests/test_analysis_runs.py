@@ -19,7 +19,7 @@ from poslab.analysis.extrapolation import evaluate_lengths, with_rope_scaling
 from poslab.analysis.runs import Run, by_depth, layer_of, stream_of
 from poslab.analysis.similarity import sequence_adjacency
 from poslab.errors import CheckpointError, ConfigError, DataError, PoslabError
-from poslab.models import build_model
+from poslab.models import ActivationCache, build_model
 from poslab.train import RunConfig, train
 
 
@@ -69,6 +69,22 @@ def test_run_with_cache_selects_by_glob_and_leaves_the_output_unchanged():
     _, probs = run_with_cache(model, ids, ["blocks.0.attn.probs", "embed"])
     assert set(probs.keys()) == {"blocks.0.attn.probs", "embed"}
     assert torch.allclose(probs["blocks.0.attn.probs"].sum(-1), torch.ones(2, 2, 7))
+
+
+def test_a_name_not_captured_says_why():
+    """A typo in a pattern or a layer past the model's read as an empty cache: the KeyError says which it is."""
+    model = build_model({"arch": "decoder", "vocab_size": 11, "d_model": 16, "n_layers": 3, "n_heads": 2,
+                         "positional": {"name": "nope"}}).eval()
+    _, cache = run_with_cache(model, torch.randint(0, 11, (1, 5)), "blocks.*.resid_pots")
+    assert len(cache) == 0
+    with pytest.raises(KeyError, match=re.escape("'blocks.0.resid_post' was not captured: none of the patterns "
+                                                  "['blocks.*.resid_pots'] matches it")):
+        cache["blocks.0.resid_post"]
+    with pytest.raises(KeyError, match="'blocks.9.resid_post' was not captured: the model records no such "
+                                       r"activation; it records blocks.{i}.attn.k, .*, embed, final \(i from 0 to 2\)"):
+        cache["blocks.9.resid_post"]
+    with pytest.raises(KeyError, match=r"no forward pass has run with this cache \(pass it as capture=\)"):
+        ActivationCache("embed")["embed"]
 
 
 def test_collect_pads_batches_of_different_widths():

@@ -11,6 +11,7 @@ switches that layer to the eager attention path.
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -22,8 +23,10 @@ class ActivationCache:
         self.patterns = [patterns] if isinstance(patterns, str) else (None if patterns is None else list(patterns))
         self.detach = detach
         self.store: dict[str, torch.Tensor] = {}
+        self.offered: set[str] = set()  # every name a forward pass asked about, kept or not
 
     def wants(self, name: str) -> bool:
+        self.offered.add(name)
         return self.patterns is None or any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
 
     def wants_some(self, names: Iterable[str]) -> bool:
@@ -35,8 +38,19 @@ class ActivationCache:
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.store:
-            raise KeyError(f"'{name}' was not captured; captured: {', '.join(sorted(self.store)) or 'nothing'}")
+            raise KeyError(f"'{name}' was not captured: {self._why_not(name)}")
         return self.store[name]
+
+    def _why_not(self, name: str) -> str:
+        """Why ``name`` is not in the cache: a typo in a name or pattern otherwise reads as an empty cache."""
+        if name in self.offered:
+            return f"none of the patterns {self.patterns} matches it"
+        if not self.offered:
+            return "no forward pass has run with this cache (pass it as capture=)"
+        names = sorted({re.sub(r"(?<=^blocks\.)\d+(?=\.)", "{i}", n) for n in self.offered})
+        blocks = [int(i) for n in self.offered for i in re.findall(r"^blocks\.(\d+)\.", n)]
+        within = f" (i from 0 to {max(blocks)})" if blocks else ""
+        return f"the model records no such activation; it records {', '.join(names)}{within}"
 
     def __contains__(self, name: str) -> bool:
         return name in self.store
