@@ -699,6 +699,36 @@ def test_a_causal_lm_runs_tokenizer_encodes_a_prompt_that_continues(tmp_path):
                  resume=True)["step"] == 2
 
 
+def test_a_decoders_checkpoint_says_where_generation_stops(tmp_path):
+    """generate() and pipeline("text-generation") ran every text to max_new_tokens: the checkpoints named no
+    eos_token_id. A text decoder's documents end at [SEP]; a task's answer at <eos>."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    lm = tiny_mlm_config(tmp_path / "cache", steps=1)
+    lm["model"] = {"arch": "decoder", "vocab_size": None, "d_model": 32, "n_layers": 1, "n_heads": 2,
+                   "max_seq_len": 32}
+    lm["data"] = {**lm["data"], "kind": "lm"}
+    lm["data"].pop("masking")
+    train(RunConfig.from_dict(lm), tmp_path / "lm")
+    train(RunConfig.from_dict(tiny_config(steps=1)), tmp_path / "task")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "lm" / "tokenizer")
+    expected = {"lm": (tok.cls_token_id, tok.sep_token_id, tok.pad_token_id), "task": (1, 2, 0)}
+    for run, ids in expected.items():
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / run / "checkpoints" / "last")
+        config = model.generation_config
+        assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == ids
+    # generation stops there: a text whose next token is the end stops after one
+    from transformers import LogitsProcessorList
+
+    def the_end(ids, scores):
+        return torch.where(torch.arange(scores.shape[-1]) == tok.sep_token_id, 0.0, -math.inf).expand_as(scores)
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "lm" / "checkpoints" / "last")
+    prompt = tok("the quiet river", return_tensors="pt")
+    out = model.generate(**prompt, max_new_tokens=10, do_sample=False, logits_processor=LogitsProcessorList([the_end]))
+    assert out.shape[1] == prompt["input_ids"].shape[1] + 1 and out[0, -1] == tok.sep_token_id
+
+
 def test_a_text_corpus_prepared_by_another_version_is_judged_by_its_tokenizer(tmp_path, monkeypatch):
     """A new tokenizer training prepares the run's corpus afresh under another key. Training on it is refused
     (its batches may differ); measuring is refused only where the tokenizer differs from the run's own

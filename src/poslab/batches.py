@@ -29,6 +29,9 @@ class BatchSource(Protocol):
     max_train_len: int
     #: the evaluation splits ``eval_batches`` serves; checked against train.eval_split before training
     splits: tuple[str, ...]
+    #: bos_token_id / eos_token_id / pad_token_id as Hugging Face generation reads them (an id may be None): where
+    #: a sequence starts, where its text or answer ends, what pads it
+    generation_ids: dict[str, int | None]
 
     def train_batch(self, step: int, batch_size: int, rank: int = 0, world_size: int = 1) -> dict[str, torch.Tensor]:
         """Rank ``rank``'s share (batch_size // world_size rows) of the global batch of ``step``."""

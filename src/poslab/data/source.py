@@ -41,6 +41,9 @@ class TextBatchSource(abc.ABC):
         self.vocab_size = corpus.vocab_size
         ids = corpus.special_ids
         self.cls_id, self.sep_id, self.pad_token_id = ids["cls"], ids["sep"], ids["pad"]
+        # Sequences start with [CLS] and a document ends at [SEP]: a decoder's generation stops there
+        self.generation_ids = {"bos_token_id": self.cls_id, "eos_token_id": self.sep_id,
+                               "pad_token_id": self.pad_token_id}
         self._layouts: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._ahead: tuple[tuple[int, int, int, int], Future] | None = None  # (step key, batch being built)

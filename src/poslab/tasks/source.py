@@ -72,6 +72,9 @@ class TaskSource:
         self.task, self.options, self.seed = task, task.options, seed
         self.tokenizer = CharTokenizer("".join(sorted(set(task.alphabet()))))
         self.vocab_size = self.tokenizer.vocab_size
+        tok = self.tokenizer
+        self.generation_ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id if task.end_token else None,
+                               "pad_token_id": tok.pad_id}
         o = self.options
         possible = task.lengths()
         cut = o.max_len if o.train_max_len is None else o.train_max_len

@@ -196,6 +196,8 @@ class Trainer:
             step = ckpt.load_trainer_state(start)["step"]
             init = {"checkpoint": str(start), "step": step, "weights_sha256": ckpt.weights_digest(start)}
             self.notes.append(f"model weights from {start}, saved at step {step} (train.init_from)")
+        if model.can_generate():  # saved with each checkpoint: generate and pipelines stop where the data ends
+            model.generation_config.update(**self.source.generation_ids)
         _seed_everything(config.seed + parallel.rank)  # independent dropout masks per rank
         model.to(self.device)
         precision = {"auto": "bf16" if self.device.type == "cuda" else "fp32"}.get(cfg.precision, cfg.precision)
