@@ -113,7 +113,9 @@ def adjacency(run: Run, opts: Options) -> dict:
     figures = [
         plots.lines(run.out_dir / "adjacency.png", series, f"Adjacency score by layer ({run.name})",
                     "layer (0 = embeddings)", "adjacency probability score", hline=0.5),
-        plots.matrices(run.out_dir / "adjacency_similarity.png", mats, "cosine self-similarity, first sequence"),
+        plots.matrices(run.out_dir / "adjacency_similarity.png", mats,
+                       f"Cosine self-similarity of the trained model's states, position x position, first sequence "
+                       f"({run.name})"),
     ]
     return _finish(run, "adjacency", data, figures)
 
@@ -135,12 +137,12 @@ def variance(run: Run, opts: Options) -> dict:
         data["models"][label] = entry
         if label == "trained":
             for kind in ("attn_out", "resid_post"):
-                names = [n for n in by_depth(entry) if f".{kind}" in n]
+                names = [n for n in by_depth(entry) if f".{kind}" in n or kind == "resid_post" and layer_of(n) == 0]
                 series = {n: (list(range(len(entry[n]["profile"]))), entry[n]["profile"]) for n in names}
                 if series:
                     figures.append(plots.lines(run.out_dir / f"variance_{kind}.png", series,
-                                               f"Variance across hidden dims: {kind} ({run.name})", "position",
-                                               "variance"))
+                                               f"Variance across hidden dims: {kind}, trained model ({run.name})",
+                                               "position", "variance"))
     return _finish(run, "variance", data, figures)
 
 
@@ -237,7 +239,8 @@ def probes(run: Run, opts: Options) -> dict:
                                  f"Linear probes, test R^2 ({run.name})", "layer (0 = embeddings)", "R^2")]
     if mlp_groups:
         figures.append(plots.bars(run.out_dir / "probes_mlp.png", mlp_groups,
-                                  f"4-layer MLP probe of position ({run.name})", "value"))
+                                  f"4-layer MLP probe of position ({run.name})",
+                                  "Pearson R (higher is better), NRMSE (lower)"))
     if class_series:
         figures.append(plots.lines(run.out_dir / "probes_classification.png", class_series,
                                    f"Task-label classification probes ({run.name})", "layer (0 = embeddings)",
@@ -281,7 +284,8 @@ def spectra(run: Run, opts: Options) -> dict:
                      for i, c in enumerate(spectrum_scores(tables["trained"], rows))},
                     f"Top principal components of the AP table along positions ({run.name})", "position", "score"),
         plots.heatmap(run.out_dir / "spectra_dct.png", [p[:bins] for p in trained["dct_power"]],
-                      "DCT-II power of the top principal components", "DCT bin", "component",
+                      f"DCT-II power of the top principal components ({run.name}; bins 0-{bins - 1} of {rows})",
+                      "DCT bin", "component",
                       yticklabels=[f"PC{i + 1}" for i in range(len(trained["dct_power"]))]),
     ]
     return _finish(run, "spectra", data, figures)

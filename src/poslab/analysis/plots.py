@@ -77,6 +77,8 @@ def _draw_lines(ax, series: dict[str, tuple[list, list]], logx: bool, hline: flo
         ax.axhline(hline, color="grey", linestyle=":", linewidth=1)
     if logx:
         ax.set_xscale("log")
+    elif all(isinstance(v, int) for x, _ in series.values() for v in x):  # layers, positions: no 0.5 ticks
+        ax.xaxis.set_major_locator(_pyplot().MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
 
 
@@ -166,6 +168,6 @@ def bars(path: Path, groups: dict[str, dict[str, float]], title: str, ylabel: st
                [math.nan if v is None else v for v in values], width, label=key)
     ax.set_xticks(range(len(names)), names, fontsize=8)
     ax.set(title=title, ylabel=ylabel)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)  # never over a bar
     ax.grid(alpha=0.3, axis="y")
     return save_figure(fig, path)
