@@ -191,6 +191,13 @@ def test_compared_runs_are_told_apart_and_named_once(runs, tmp_path):
         analyze("extrapolation", "--run", str(runs / "rope"), "--compare", str(runs / "rope") + "/")
 
 
+def test_runs_whose_losses_differ_in_kind_are_not_compared(runs, lm_run):
+    """A causal LM's, a masked LM's and a task's losses were drawn on one axis as if comparable."""
+    with pytest.raises(ConfigError, match=r"^--compare mixes runs whose losses measure different things "
+                                          r"\(causal on lm data, causal on task data\); compare runs of one kind$"):
+        analyze("extrapolation", "--run", str(runs / "rope"), "--compare", str(lm_run / "run"))
+
+
 def test_a_run_that_cannot_go_past_its_training_length_is_refused(runs):
     """A learned position table (max_seq_len 24) cannot be read past it: every longer length failed, yet the
     analysis exited 0 with a one-point figure."""
@@ -397,6 +404,18 @@ def lm_run(tmp_path_factory):
 
 def books(root, documents: int = 6) -> dict:
     return {"source": {"type": "jsonl", "paths": str(root / "books.jsonl")}, "validation_documents": documents}
+
+
+def test_eval_data_source_without_a_type_reads_over_the_runs_own(lm_run):
+    """`source: {seed: 7}` was refused ("data.source must be a mapping with a 'type'"), although the file's
+    options lie over the run's: the rest of the run's source is kept."""
+    from poslab.analysis.extrapolation import evaluation_config
+
+    run = Run.load(lm_run / "run")
+    evaluated = evaluation_config(run.config, {"source": {"seed": 7}, "validation_documents": 4})
+    corpus = evaluated.data.build(0).corpus
+    assert corpus.manifest["config"]["source"] == {"type": "synthetic", "documents": 40, "seed": 7}
+    assert corpus.directory != run.config.data.build(0).corpus.directory
 
 
 def test_extrapolation_on_another_corpus_uses_the_runs_tokenizer(lm_run):

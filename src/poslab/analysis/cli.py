@@ -50,7 +50,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--compare", nargs="*", default=[], metavar="DIR", help="extrapolation: more runs on the figure")
     p.add_argument("--eval-data", default=None, metavar="FILE.yaml",
                    help="extrapolation: evaluate on another corpus: a YAML mapping of data options over the run's "
-                        "(e.g. src/poslab/configs/data/pg19_eval.yaml), prepared with the run's own tokenizer")
+                        "(e.g. src/poslab/configs/data/pg19_eval.yaml; a source without a type changes options of "
+                        "the run's own), prepared with the run's own tokenizer")
     p.set_defaults(func=run)
 
 

@@ -378,6 +378,11 @@ def extrapolation(run: Run, opts: Options) -> dict:
     for r, resolved in zip(runs, dirs):
         if dirs.count(resolved) > 1:
             raise ConfigError(f"{r.dir} is given more than once; --run and --compare name each run once")
+    kinds = {(r.causal, r.config.data.kind) for r in runs}
+    if len(kinds) > 1:  # a causal LM's next-token loss, a masked LM's and a task's answer loss are not comparable
+        described = sorted(f"{'causal' if causal else 'bidirectional'} on {kind} data" for causal, kind in kinds)
+        raise ConfigError(f"--compare mixes runs whose losses measure different things ({', '.join(described)}); "
+                          "compare runs of one kind")
     # Runs are named by their directory's name, by the path given where two share one (a/seed0, b/seed0)
     names = [r.name for r in runs]
     data: dict = {"factors": list(opts.factors), "eval_data": opts.eval_data, "runs": {}}

@@ -161,6 +161,9 @@ def evaluation_config(config: RunConfig, eval_data: dict[str, Any] | None) -> Ru
     if "seq_len" in overrides:
         raise ConfigError("eval_data cannot set seq_len: the evaluation lengths are the training length times the "
                           "factors")
+    own_source = config.data.options.get("source")
+    if isinstance(overrides.get("source"), dict) and "type" not in overrides["source"] and isinstance(own_source, dict):
+        overrides["source"] = {**own_source, **overrides["source"]}  # other options of the run's own source
     options = {**config.data.options, **overrides}
     if not set(CORPUS_KEYS) & overrides.keys():  # the run's own corpus, read differently
         return _checked(dataclasses.replace(config, data=dataclasses.replace(config.data, options=options)))
