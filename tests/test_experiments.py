@@ -361,6 +361,19 @@ def test_list(capsys):
     assert names == ["adjacency", "indirect-indexing", "extrapolation", "frequencies", "pope-ablation", "dstg"]
 
 
+def test_workers_leave_ctrl_c_to_the_reproduction():
+    """A Ctrl-C reaches the whole process group: workers caught by it while still importing printed a traceback
+    each (81 lines of stderr). They are spawned ignoring it; the reproduction ends them, its own handler intact."""
+    import signal
+
+    from poslab.experiments.common import _submit_deaf_to_interrupts, closing_pool, worker_pool
+
+    before = signal.getsignal(signal.SIGINT)
+    with closing_pool(worker_pool(1)) as pool:
+        assert _submit_deaf_to_interrupts(pool, signal.getsignal, signal.SIGINT).result(timeout=120) == signal.SIG_IGN
+    assert signal.getsignal(signal.SIGINT) is before
+
+
 @pytest.mark.slow
 def test_every_recipe_runs_end_to_end_at_smoke_scale(tmp_path):
     """Every recipe, through the command line, at the seconds-long smoke scale (its claims mean nothing)."""

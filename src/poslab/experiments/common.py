@@ -7,6 +7,7 @@ import ctypes.util
 import json
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -181,7 +182,8 @@ def train_ahead(recipes: list[dict[Any, tuple[dict[str, Any], Path]]], jobs: int
                             continue
                         if not started:
                             log(f"training in {jobs} worker processes (each run's progress: <run directory>.log)")
-                        _ahead[out.resolve()] = pool.submit(_ensure_run_in_worker, config, out, threads)
+                        _ahead[out.resolve()] = _submit_deaf_to_interrupts(pool, _ensure_run_in_worker, config,
+                                                                           out, threads)
                         started.append(out.resolve())
             yield
     finally:
@@ -219,6 +221,18 @@ def worker_pool(workers: int) -> ProcessPoolExecutor:
     idled forever."""
     return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
                                initializer=_start_worker, initargs=(os.getpid(),))
+
+
+def _submit_deaf_to_interrupts(pool: ProcessPoolExecutor, *task: Any) -> Future:
+    """``pool.submit(*task)`` with SIGINT ignored while the submission may spawn a worker: an ignored signal stays
+    ignored across exec, so the Ctrl-C that reaches the whole process group stops only this process, which
+    then ends the workers (``closing_pool``). Workers caught by it while still importing printed a traceback
+    each."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return pool.submit(*task)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _start_worker(parent: int) -> None:
