@@ -97,6 +97,10 @@ def test_runner_writes_results_and_report_and_resumes(tmp_path, fake_recipes):
     assert claim == {"claim": "value is big", "paper": 1.0, "ours": 2.0, "held": True, "rule": "ours >= 1.5"}
     report = (tmp_path / "report.md").read_text()
     assert "**2 of 4 claims held.**" in report and "| one | value is huge | 100 | 2 | **no** |" in report
+    # What smoke numbers can say, and how each recipe's were made (one --out can hold several invocations').
+    assert "**Smoke scale only checks that the recipes run**" in report and "Quick scale" not in report
+    threads = torch.get_num_threads()
+    assert report.count(f"_code {runner.code_version()}; 1 training job, {threads} torch thread") == 2
     # A second run skips finished recipes; --force redoes them.
     runner.reproduce(["all"], "smoke", tmp_path, log=lambda _: None)
     assert fake_recipes == ["one", "two"]

@@ -76,16 +76,40 @@ def summary_table(data: dict[str, Any]) -> list[str]:
     return _table(["recipe", "claim", "paper", "ours", "held"], summary_rows(data))
 
 
+# What a scale's numbers can say, at the top of its report.
+SCALE_NOTES = {
+    "smoke": "**Smoke scale only checks that the recipes run**: each model trains for a few steps, so no number "
+             "below means anything, and two runs can differ (the dstg recipe's WordPiece vocabulary, trained on 30 "
+             "documents, breaks ties between merges in hash order).",
+    "quick": "Quick scale trains tiny models for minutes on a CPU: a claim that does not hold there is reported as "
+             "not held, with what was tried -- those notes cite earlier searches (benchmarks/quick_search), not "
+             "this run.",
+    "paper": "Paper scale trains the papers' configurations (sizes, steps, data by name): a claim that does not "
+             "hold is reported as not held.",
+}
+
+
+def recipe_line(rec: dict[str, Any]) -> str:
+    """How one recipe's numbers were made: a directory can hold recipes run at different times and settings."""
+    m = rec.get("machine") if isinstance(rec.get("machine"), dict) else {}
+    parts = [f"code {rec['code']}"] if isinstance(rec.get("code"), str) else []
+    if "torch_threads" in m:
+        jobs, threads = m.get("jobs", 1), m["torch_threads"]
+        parts.append(f"{jobs} training job{'s' * (jobs != 1)}, {threads} torch thread{'s' * (threads != 1)}")
+    if "load_average_15min" in m:
+        parts.append(f"load average {m['load_average_15min']:.1f}")
+    return f"_{'; '.join(parts)}_" if parts else ""
+
+
 def render_report(data: dict[str, Any]) -> str:
     lines = [
         f"# poslab reproduction ({data['scale']} scale)",
         "",
         run_line(data),
         "",
-        "Every number in the tables below was measured by `poslab reproduce` in this run; `held` is computed",
-        "from the measured values by the rule shown. Quick scale trains tiny models for minutes on a CPU: a",
-        "claim that does not hold there is reported as not held, with what was tried -- those notes cite",
-        "earlier searches (benchmarks/quick_search), not this run.",
+        "Every number in the tables below was measured by `poslab reproduce` into this directory (each recipe's "
+        "section says when, with which code and settings); `held` is computed from the measured values by the "
+        "rule shown. " + SCALE_NOTES.get(data["scale"], ""),
         "",
         "## Summary",
         "",
@@ -94,6 +118,8 @@ def render_report(data: dict[str, Any]) -> str:
     for name, rec in data["recipes"].items():
         when = f", {rec['date']}" if isinstance(rec.get("date"), str) else ""
         lines += ["", f"## {name} ({rec['seconds']:.0f} s{when})", ""]
+        if recipe_line(rec):
+            lines += [recipe_line(rec), ""]
         lines += _table(["claim", "paper", "ours", "rule", "held"],
                         [[c["claim"], c["paper"], _ours(c), c["rule"], "yes" if c["held"] else "**no**"]
                          for c in rec["claims"]])
