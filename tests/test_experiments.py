@@ -292,6 +292,12 @@ def test_bad_jobs_and_threads_are_refused_with_plan_too(capsys, tmp_path):
         assert main(["reproduce", "frequencies", "--scale", "smoke", "--plan", option, "-2",
                      "--out", str(tmp_path / "out")]) == 2
         assert capsys.readouterr().err == f"poslab: error: {option} must be >= 1, got -2\n"
+        # 5000 threads on 2 CPUs took 28x as long; 100000 failed with "Cannot allocate memory"
+        cpus = len(os.sched_getaffinity(0))
+        assert main(["reproduce", "frequencies", "--scale", "smoke", option, str(cpus + 1),
+                     "--out", str(tmp_path / "out")]) == 2
+        assert capsys.readouterr().err == f"poslab: error: {option} {cpus + 1} is more than the {cpus} CPUs this " \
+                                          f"process may use; give at most {cpus}\n"
     assert not (tmp_path / "out").exists()
 
 

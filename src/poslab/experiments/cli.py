@@ -23,7 +23,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="runs/reproduce", type=path_argument,
                    help="output directory (default runs/reproduce); it holds the results of one --scale")
     p.add_argument("--force", action="store_true",
-                   help="redo recipes that already finished in --out (at the same --scale)")
+                   help="redo recipes that already finished in --out (at the same --scale): their measurements "
+                        "and claims; finished trainings are kept (delete DIR/RECIPE/runs to train them again)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: 1 at quick and smoke scale, where the models are too small for "
                         "intra-op parallelism to pay; torch's default otherwise)")
@@ -67,9 +68,14 @@ def run(args: argparse.Namespace) -> int:
     if not args.names:
         raise PoslabError("name a recipe or 'all' (see 'poslab reproduce --list')")
     names, scale = resolve(args.names), check_scale(args.scale)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     for option in ("threads", "jobs"):
-        if getattr(args, option) is not None and getattr(args, option) < 1:
-            raise PoslabError(f"--{option} must be >= 1, got {getattr(args, option)}")
+        value = getattr(args, option)
+        if value is not None and value < 1:
+            raise PoslabError(f"--{option} must be >= 1, got {value}")
+        if value is not None and value > cpus:  # 5000 threads took 28x as long; 100000 failed allocating them
+            raise PoslabError(f"--{option} {value} is more than the {cpus} CPUs this process may use; give at most "
+                              f"{cpus}")
     if args.plan:
         from poslab.experiments.plan import plan, render
 
@@ -81,7 +87,6 @@ def run(args: argparse.Namespace) -> int:
     if threads is not None:
         torch.set_num_threads(threads)
     # One 1-thread training per CPU suits small CPU models; on a GPU they would all crowd onto one device.
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     jobs = args.jobs if args.jobs is not None else cpus if small and not torch.cuda.is_available() else 1
     device = analysis_device(args.analysis_device)
     if scale == "paper" and not torch.cuda.is_available() and int(os.environ.get("RANK", "0")) == 0:
