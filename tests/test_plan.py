@@ -74,8 +74,11 @@ def test_paper_plan_from_the_command_line_writes_nothing(tmp_path, capsys):
                                           if line.startswith("| ") and "/runs/" in line)}
     assert rows["adjacency/runs/nope-addition-s0"][3] == "10.6M"
     assert rows["extrapolation/runs/pope"][0] == "extrapolation, frequencies, pope-ablation"
-    assert rows["pope-ablation/runs/no-delta"][3] == "123.6M"  # the paper's ablations are of its 124M model
-    assert rows["extrapolation/runs/pope"][3] == "123.6M"
+    # the paper's ablations are of its 124M model; sized at its tokenizer's cap, which a FineWeb BPE reaches
+    assert rows["pope-ablation/runs/no-delta"][3] == "<= 123.6M"
+    assert rows["extrapolation/runs/pope"][3] == "<= 123.6M" and rows["extrapolation/runs/pope"][6].startswith("<= ")
+    assert "<=: a text run whose tokenizer is not trained yet is sized at its vocabulary cap" in text
+    assert not rows["adjacency/runs/nope-addition-s0"][6].startswith("<=")  # a task's vocabulary is known
     assert rows["indirect-indexing/runs/rope-half-s0"][2] == "decoder, rope (fraction=0.5), 8 x 512"
     assert 4e16 < float(rows["indirect-indexing/runs/rope-s0"][6]) < 6e16
     assert all(cells[-1] == "not started" for cells in rows.values())

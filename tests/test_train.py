@@ -1010,7 +1010,7 @@ def test_an_output_that_cannot_be_created_is_refused_before_any_work(tmp_path, c
     for command in ("train", "data prepare"):
         assert poslab.cli.main([*command.split(), str(path), "--out", str(under_a_file)]) == 2
         assert capsys.readouterr().err == (
-            f"poslab: error: poslab {command}: argument --out: cannot create {under_a_file} ({path}: Not a directory); "
+            f"poslab: error: argument --out: cannot create {under_a_file} ({path}: Not a directory); "
             f"choose another directory (see 'poslab {command} --help')\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]
 

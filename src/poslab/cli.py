@@ -30,7 +30,7 @@ COMMAND_MODULES = [
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line instead of usage + message
-        raise PoslabError(f"{self.prog}: {message} (see '{self.prog} --help')")
+        raise PoslabError(f"{message} (see '{self.prog} --help')")  # which command: the help it names
 
 
 def build_parser() -> argparse.ArgumentParser:

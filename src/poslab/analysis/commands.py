@@ -334,8 +334,8 @@ def heads(run: Run, opts: Options) -> dict:
     marks = {lab: MARKS.get(lab, lab[:2]) for row in labels for lab in row}
     key = ", ".join(f"{mark} {lab}" for lab, mark in sorted(marks.items()))
     figures = [plots.heatmap(run.out_dir / f"heads_{t}.png", shares[:, k].tolist(),
-                             f"share of logit variance: {t} ({run.name})\nhead labels: {key}", "head", "layer",
-                             yticklabels=[str(i) for i in layers], xticklabels=[str(h) for h in range(heads_n)],
+                             f"share of logit variance: {t} ({run.name})\nhead labels: {key}", "head",
+                             "layer (1 = first block)", yticklabels=[str(i + 1) for i in layers], xticklabels=[str(h) for h in range(heads_n)],
                              vmin=0, vmax=1, annotations=[[marks[lab] for lab in row] for row in labels])
                for k, t in enumerate(names)]
     return _finish(run, "heads", data, figures)
@@ -362,8 +362,8 @@ def frequencies(run: Run, opts: Options) -> dict:
     data = {"run": str(run.dir), "layers": layers, "q": mean["q"].tolist(), "k": mean["k"].tolist(),
             "summary": usage_summary(mean["q"], mean["k"])}
     figures = [plots.heatmap(run.out_dir / f"frequencies_{w}.png", mean[w].tolist(),
-                             f"mean {w} norm per frequency ({run.name})", "frequency index (fastest first)", "layer",
-                             yticklabels=[str(i) for i in layers]) for w in ("q", "k")]
+                             f"mean {w} norm per frequency ({run.name})", "frequency index (fastest first)",
+                             "layer (1 = first block)", yticklabels=[str(i + 1) for i in layers]) for w in ("q", "k")]
     return _finish(run, "frequencies", data, figures)
 
 
@@ -414,10 +414,11 @@ def extrapolation(run: Run, opts: Options) -> dict:
     if all("error" in rec for rec in records):  # a result of failures only must not replace a measured one
         raise DataError(f"no evaluation length could be evaluated, so nothing was written; the first reason: "
                         f"{records[0]['error']}")
-    figures = [plots.lines(run.out_dir / "extrapolation_loss.png", loss, f"{run.name}: loss against evaluation length",
+    named = f" ({run.name})" if len(runs) == 1 else ""  # several runs: the legend names them
+    figures = [plots.lines(run.out_dir / "extrapolation_loss.png", loss, f"Loss against evaluation length{named}",
                            "evaluation length / training length", "loss"),
                plots.lines(run.out_dir / "extrapolation_accuracy.png", acc,
-                           f"{run.name}: accuracy against evaluation length",
+                           f"Accuracy against evaluation length{named}",
                            "evaluation length / training length", "accuracy (exact match for tasks)")]
     return _finish(run, "extrapolation", data, figures)
 

@@ -179,7 +179,8 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
     figures.append(rel(plots.heatmap(out / "init_ablation.png",
                                      [[ablation[(s, m)] for m in INIT_MEANS] for s in INIT_STDS],
                                      "adjacency after layer 1 at initialisation", "init mean", "init std",
-                                     yticklabels=[str(s) for s in INIT_STDS]), out))
+                                     yticklabels=[str(s) for s in INIT_STDS],
+                                     xticklabels=[f"{m:g}" for m in INIT_MEANS]), out))
 
     mlp = probe_result["models"]["trained"]["mlp"]
     by_size = {f"{layers} x {width}": s["first"] for (layers, width), s in sizes.items()}

@@ -38,6 +38,7 @@ class Training:
     flops: float
     status: str  # "done", "step k of n", "not started", or why it cannot be reused
     left: float  # the FLOPs still to train: flops x the share of steps not trained (all of them to redo)
+    bound: bool = False  # sized at its tokenizer's vocabulary cap, not yet trained: parameters and FLOPs at most
 
 
 def plan(names: list[str], scale: str, out: str | Path) -> list[Training]:
@@ -53,8 +54,9 @@ def plan(names: list[str], scale: str, out: str | Path) -> list[Training]:
 
 def _training(recipes: tuple[str, ...], config: dict[str, Any], run_dir: Path, out: Path) -> Training:
     vocab, sequence = data_shape(config["data"], config.get("seed", 0))
+    bound = config["data"].get("kind", "task") != "task"
     if (run_dir / "config.yaml").is_file():  # trained (or training): the vocabulary its tokenizer reached
-        vocab = load_config(run_dir / "config.yaml").model.vocab_size
+        vocab, bound = load_config(run_dir / "config.yaml").model.vocab_size, False
     cfg = RunConfig.from_dict({**config, "model": {**config["model"], "vocab_size": vocab}})
     parameters, step_flops = _count(json.dumps(cfg.model.to_dict(), sort_keys=True), sequence)
     sequences = cfg.train.steps * cfg.train.batch_size
@@ -66,7 +68,7 @@ def _training(recipes: tuple[str, ...], config: dict[str, Any], run_dir: Path, o
     return Training(recipes=recipes, directory=str(run_dir.relative_to(out)),
                     model=", ".join(x for x in (model["arch"], scheme, shape) if x),
                     parameters=parameters, sequence=sequence, tokens=sequences * sequence,
-                    flops=step_flops * sequences, **_progress(cfg, run_dir, step_flops * sequences))
+                    flops=step_flops * sequences, bound=bound, **_progress(cfg, run_dir, step_flops * sequences))
 
 
 def data_shape(data: dict[str, Any], seed: int) -> tuple[int, int]:
@@ -115,8 +117,10 @@ def render(trainings: list[Training], scale: str) -> str:
              "| recipe | run | model | parameters | tokens / sequence | tokens | training FLOPs | status |",
              "|---|---|---|---|---|---|---|---|"]
     for t in trainings:
-        lines.append(f"| {', '.join(t.recipes)} | {t.directory} | {t.model} | {t.parameters / 1e6:.1f}M | "
-                     f"{t.sequence:,} | {t.tokens:.3g} | {t.flops:.3g} | {t.status} |")
+        at_most, millions = "<= " if t.bound else "", t.parameters / 1e6
+        size = f"{millions:.1f}M" if millions >= 1 else f"{millions:.2g}M"  # smoke's models read "0.0M"
+        lines.append(f"| {', '.join(t.recipes)} | {t.directory} | {t.model} | {at_most}{size} | "
+                     f"{t.sequence:,} | {t.tokens:.3g} | {at_most}{t.flops:.3g} | {t.status} |")
     lines += ["", "| recipe | trainings | training FLOPs | still to train |", "|---|---|---|---|"]
     groups: dict[str, list[Training]] = {}
     for t in trainings:  # a shared training counts once, with the first recipe that reads it
@@ -127,4 +131,8 @@ def render(trainings: list[Training], scale: str) -> str:
     lines += ["", "FLOPs: the matmul FLOPs of one forward and backward (torch.utils.flop_counter on the meta device, "
                   "attention in full even where causal) times the sequences read; evaluation and analyses are not "
                   "counted."]
+    if any(t.bound for t in trainings):
+        lines += ["", "<=: a text run whose tokenizer is not trained yet is sized at its vocabulary cap; a trained "
+                      "tokenizer can stop below it (the quick and smoke corpora's do), and the run's own figures "
+                      "show once it has started."]
     return "\n".join(lines)

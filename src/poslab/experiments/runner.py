@@ -168,6 +168,8 @@ def _is_result(data: Any) -> bool:
 
 
 def check_writable(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise PoslabError(f"{out} is a file, not a directory; choose another --out")
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-")
