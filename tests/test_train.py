@@ -7,6 +7,8 @@ import itertools
 import json
 import math
 import re
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -1236,3 +1238,31 @@ def test_a_resume_keeps_its_start(tmp_path):
                                           r"train.init_from .*other.* are not the weights the run started from"):
         train(RunConfig.from_dict(tiny_config(steps=4, init_from=str(tmp_path / "other"))), tmp_path / "tuned",
               resume=True)
+
+
+def test_a_terminated_training_says_where_it_can_resume(tmp_path):
+    """SIGTERM (batch schedulers, torchrun) killed a run without a word (exit 143), and Ctrl-C said only
+    "interrupted": which step the run resumes from, and how, is what the user needs next."""
+    import signal
+    import subprocess
+
+    config = write_config(tmp_path / "c.yaml", tiny_config(steps=100000, checkpoint_every=2, eval_every=100000,
+                                                           log_every=100000))
+    out = tmp_path / "run"
+    child = subprocess.Popen([sys.executable, "-m", "poslab", "train", str(config), "--out", str(out)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "checkpoints" / "last" / "checksums.sha256").exists():
+            assert time.monotonic() < deadline and child.poll() is None, child.stderr.read() if child.poll() else ""
+            time.sleep(0.2)
+        child.send_signal(signal.SIGTERM)
+        _, err = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    from poslab.train.checkpoint import saved_step
+
+    step = saved_step(out, log=lambda _: None)  # the intact one, should the signal have met a save
+    assert child.returncode == 130 and step > 0
+    assert err.splitlines()[-1] == (f"poslab: interrupted; the run in {out} resumes from its checkpoint at step "
+                                    f"{step} with --resume")

@@ -77,8 +77,8 @@ def _main(argv: list[str] | None) -> int:
             raise
         _out_of_memory(err)
         return 2
-    except KeyboardInterrupt:
-        print("poslab: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as err:
+        print("poslab: interrupted" + (f"; {err}" if str(err) else ""), file=sys.stderr)
         return 130
 
 

@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 
 from poslab.train import RunConfig, train
-from poslab.train.checkpoint import first_difference, load_trainer_state, resolve, weights_spec
+from poslab.train.checkpoint import first_difference, saved_step, weights_spec
 from poslab.train.provenance import data_difference
 from poslab.train.trainer import init_difference, load_saved_config
-from poslab.errors import CheckpointError, PoslabError
+from poslab.errors import PoslabError
 
 FINAL = "final.json"
 # Settings a finished run may differ in and still be reused: paths (an --out moved elsewhere) and bookkeeping.
@@ -106,14 +106,6 @@ def ensure_run(config: dict[str, Any], out: Path, log: Callable[[str], None]) ->
 def _state(cfg: RunConfig, out: Path) -> tuple[dict[str, Any] | None, bool, bool]:
     """(final metrics if finished, whether a checkpoint to resume exists, whether ``out`` exists)."""
     return finished(cfg, out), saved_step(out) > 0, out.exists()
-
-
-def saved_step(out: Path, log: Callable[[str], None] | None = None) -> int:
-    """The step of the run's last intact checkpoint, 0 when it has none yet (``log``: why a newer one was
-    skipped; default stderr)."""
-    with contextlib.suppress(CheckpointError):
-        return load_trainer_state(resolve(out / "checkpoints" / "last", log))["step"]
-    return 0
 
 
 def _rank_zero_view(look: Callable[[], Any]) -> Any:

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from poslab.experiments.common import finished, saved_step, trained_otherwise
+from poslab.experiments.common import finished, trained_otherwise
+from poslab.train.checkpoint import saved_step
 from poslab.experiments.runner import RECIPES
 from poslab.models import build_model
 from poslab.train import RunConfig, load_config

@@ -211,6 +211,15 @@ def resolve(path: Path, log: Callable[[str], None] | None = None) -> Path:
     raise CheckpointError(f"no checkpoint at {path}" + (f": {'; '.join(problems)}" if problems else ""))
 
 
+def saved_step(out: Path, log: Callable[[str], None] | None = None) -> int:
+    """The step of run directory ``out``'s last intact checkpoint, 0 when it has none yet (``log``: why a newer
+    one was skipped; default stderr)."""
+    try:
+        return load_trainer_state(resolve(Path(out) / "checkpoints" / "last", log))["step"]
+    except CheckpointError:
+        return 0
+
+
 def candidates(path: Path) -> list[Path]:
     """Where the copies of checkpoint ``path`` can be, newest first."""
     path = Path(path)

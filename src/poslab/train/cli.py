@@ -5,12 +5,15 @@ Under torchrun every process runs the same command: ``torchrun --nproc_per_node 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import signal
 
 from poslab.arguments import output_argument
 from poslab.train import load_config, train
+from poslab.train.checkpoint import saved_step
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -29,10 +32,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
-    final = train(config, args.out, resume=args.resume, overwrite=args.overwrite)
+    try:
+        with _terminate_as_interrupt():
+            final = train(config, args.out, resume=args.resume, overwrite=args.overwrite)
+    except KeyboardInterrupt:
+        # What the user needs next: where the run stands (the steps since its last checkpoint are lost)
+        step = saved_step(args.out, log=lambda _: None)
+        raise KeyboardInterrupt(f"the run in {args.out} resumes from its checkpoint at step {step} with --resume"
+                                if step else f"no checkpoint of the run in {args.out} was saved yet") from None
     if int(os.environ.get("RANK", 0)) == 0:  # one summary line, not one per torchrun process
         # JSON has no NaN or infinity (Python would write a bare NaN that other parsers refuse): null instead,
         # e.g. tokens_per_s of a resumed run that had no step left to train.
         summary = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in final.items()}
         print(json.dumps(summary, allow_nan=False))
     return 0
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM (what batch schedulers and torchrun send) ends training as Ctrl-C does, saying where it stands,
+    instead of killing it without a word."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
