@@ -464,7 +464,7 @@ def test_extrapolation_on_another_corpus_uses_the_runs_tokenizer(lm_run):
     # Cached: a second evaluation reads the same prepared corpus, unless its tokenizer is no longer the run's
     # (the run's data prepared again since): then it is prepared again.
     assert evaluation_config(run.config, books(lm_run)).data.options["prepared"] == str(corpus.directory)
-    stale = train_tokenizer(TokenizerConfig(type="bpe", vocab_size=64), ["another tokenizer"] * 4)
+    stale = train_tokenizer(TokenizerConfig(type="bpe", vocab_size=270), ["another tokenizer"] * 4)
     stale.save(str(corpus.directory / "tokenizer" / "tokenizer.json"))
     assert PreparedCorpus(corpus.directory).tokenizer.get_vocab() != own.tokenizer.get_vocab()
     assert evaluation_config(run.config, books(lm_run)).data.options["prepared"] == str(corpus.directory)
@@ -479,7 +479,7 @@ def test_eval_data_refusals_are_one_line(lm_run, runs, tmp_path):
     from poslab.data.tokenizer import train_tokenizer
 
     run = Run.load(lm_run / "run")
-    tok = train_tokenizer(TokenizerConfig(type="bpe", vocab_size=64), ["a small other vocabulary"] * 4)
+    tok = train_tokenizer(TokenizerConfig(type="bpe", vocab_size=270), ["a small other vocabulary"] * 4)
     (tmp_path / "tok").mkdir()
     tok.save(str(tmp_path / "tok" / "tokenizer.json"))
     assert tok.get_vocab_size() != run.config.model.vocab_size

@@ -674,7 +674,7 @@ def test_cli_prepare(tmp_path, capsys):
     bad.write_bytes(b"First sentence here. Second \xff one.\n\nNew paragraph.\n")
     config = tmp_path / "run.yaml"
     config.write_text(f"seed: 0\ndata:\n  kind: mlm\n  source: {{type: text, paths: {bad}}}\n"
-                      "  tokenizer: {vocab_size: 100, min_frequency: 1}\n")
+                      "  tokenizer: {vocab_size: 300, min_frequency: 1}\n")
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
     # A run config's keys as `poslab train --set` names them (data.x) or relative to its data section (x)
@@ -780,3 +780,15 @@ def test_trained_tokenizer_ids_depend_only_on_the_vocabulary(kind):
     canonical = json.loads(trained.to_str())["model"]["vocab"]
     body = [t.removeprefix(prefix) for t in sorted(canonical, key=canonical.get) if t not in added]
     assert [len(b) for b in body] == sorted(len(b) for b in body) and len(body) > 100
+
+
+def test_a_byte_level_cap_below_its_bytes_is_refused():
+    """Byte-level BPE starts from 256 bytes and the special tokens: vocab_size 16 gave a vocabulary of 261 without
+    a word."""
+    from poslab.data.config import TokenizerConfig
+
+    with pytest.raises(ConfigError, match=r"^tokenizer.vocab_size 16 is below what byte-level BPE starts from \(256 "
+                                          r"bytes and 5 special tokens\); give at least 261$"):
+        TokenizerConfig(type="bpe", vocab_size=16)
+    assert TokenizerConfig(type="bpe", vocab_size=261).vocab_size == 261
+    assert TokenizerConfig(type="wordpiece", vocab_size=16).vocab_size == 16  # its alphabet comes from the text

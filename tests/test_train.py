@@ -1266,3 +1266,14 @@ def test_a_terminated_training_says_where_it_can_resume(tmp_path):
     assert child.returncode == 130 and step > 0
     assert err.splitlines()[-1] == (f"poslab: interrupted; the run in {out} resumes from its checkpoint at step "
                                     f"{step} with --resume")
+
+
+def test_text_sequences_longer_than_the_model_name_both_settings(tmp_path):
+    """A prepared corpus keeps no seq_len of its own, so a text run's data.seq_len defaults to 128 when the run
+    config sets none: the refusal said only to raise model.max_seq_len."""
+    raw = tiny_mlm_config(tmp_path / "cache")
+    raw["model"]["max_seq_len"] = 16
+    with pytest.raises(ConfigError, match=r"model.max_seq_len is 16; raise model.max_seq_len or lower data.seq_len "
+                                          r"\(now 32\)$"):
+        train(RunConfig.from_dict(raw), tmp_path / "run")
+    assert not (tmp_path / "run").exists()

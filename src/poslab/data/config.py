@@ -88,6 +88,11 @@ class TokenizerConfig:
         for token in sorted({t for t in named if named.count(t) > 1}) if self.path is None else []:
             raise ConfigError(f"tokenizer.special_tokens gives {token!r} more than one role; a trained tokenizer "
                               "needs a token of its own for each")
+        # Byte-level BPE starts from its 256 bytes and the special tokens: a smaller cap was exceeded without a word.
+        needed = 256 + len(set(named))
+        require(self.path is not None or self.type != "bpe" or self.vocab_size >= needed,
+                f"tokenizer.vocab_size {self.vocab_size} is below what byte-level BPE starts from (256 bytes and "
+                f"{len(set(named))} special tokens); give at least {needed}")
         # WordPiece encodes every unseen character as unk; byte-level BPE never needs one.
         require(self.path is not None or self.type != "wordpiece" or self.special_tokens["unk"] is not None,
                 "a trained wordpiece tokenizer needs an unk token (tokenizer.special_tokens.unk, e.g. '[UNK]'); "

@@ -173,9 +173,10 @@ class Trainer:
                 f"({self.source.vocab_size}); set model.vocab_size: null to take it from the data")
         # The widest batch any step can draw, not the first: a task batch is as wide as its longest problem, and
         # a later step's can be wider, which would stop the run there (and max_seq_len cannot change on resume).
+        shorter = "" if config.data.kind == "task" else f" or lower data.seq_len (now {self.source.max_train_len})"
         require(self.source.max_train_len <= config.model.max_seq_len,
                 f"the data has training sequences of up to {self.source.max_train_len} tokens but model.max_seq_len "
-                f"is {config.model.max_seq_len}; raise model.max_seq_len")
+                f"is {config.model.max_seq_len}; raise model.max_seq_len{shorter}")
         # Before the first batch is drawn: a task source draws a batch of 1e11 problems for hours before memory
         # runs out. Sized by the widest batch, which a later step can draw.
         _check_memory(config, parallel, self.source.max_train_len)
