@@ -1277,3 +1277,18 @@ def test_text_sequences_longer_than_the_model_name_both_settings(tmp_path):
                                           r"\(now 32\)$"):
         train(RunConfig.from_dict(raw), tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_resume_that_changes_train_settings_keeps_their_history(tmp_path, capsys):
+    """More steps on resume stretch the cosine schedule from there on, and config.yaml then names only the new
+    count: nothing said so, and nothing kept what the first steps ran under."""
+    out = tmp_path / "run"
+    train(RunConfig.from_dict(tiny_config(steps=4)), out)
+    assert not (out / "resumes.jsonl").exists()
+    train(RunConfig.from_dict(tiny_config(steps=6)), out, resume=True)
+    assert [json.loads(line) for line in (out / "resumes.jsonl").read_text().splitlines()] == [
+        {"step": 4, "changed": {"train.steps": [4, 6]}}]
+    assert "train settings changed at step 4: train.steps 4 -> 6 (the learning-rate schedule follows the new " \
+           "ones from here; resumes.jsonl keeps what config.yaml no longer says)" in capsys.readouterr().err
+    train(RunConfig.from_dict(tiny_config(steps=6)), out, resume=True)  # nothing changed: nothing recorded
+    assert len((out / "resumes.jsonl").read_text().splitlines()) == 1

@@ -56,6 +56,8 @@ CONFIG_FILE = "config.yaml"
 # A fine-tune's starting weights (train.init_from): the checkpoint, its step and its weights' digest. The run's
 # config names the start by path only, and the run there can be trained again into other weights.
 INIT_FILE = "init.json"
+# Train settings a resume changed (config.yaml then holds the new ones): one record per such resume, with its step.
+RESUMES_FILE = "resumes.jsonl"
 # What a run killed before writing config.yaml leaves (data.json, init.json and the tokenizer go just before it).
 OWN_TRANSIENTS = {LOCK_FILE, f".{CONFIG_FILE}.tmp", DATA_FILE, f".{DATA_FILE}.tmp", INIT_FILE, f".{INIT_FILE}.tmp",
                   TOKENIZER_DIR, f".{TOKENIZER_DIR}.tmp"}
@@ -160,6 +162,7 @@ class Trainer:
         """Everything is checked and built before the run directory is written (rank 0 writes)."""
         config, cfg, parallel, world = self.config, self.cfg, self.parallel, self.parallel.world_size
         _check_out_dir(self.out, config, resume, overwrite)
+        changed = _changed_train_settings(load_saved_config(self.out), config) if resume else {}
         parallel.barrier()  # every rank has looked before rank 0 touches the directory
 
         self.source = config.data.build(config.seed)
@@ -227,6 +230,13 @@ class Trainer:
             _init_out_dir(self.out, config, overwrite, hf_tokenizer(self.source), init, fresh=last is None)
             if resume:
                 truncate_metrics(self.out / METRICS_FILE, self.step)
+            if changed:
+                with open(self.out / RESUMES_FILE, "a") as f:
+                    f.write(json.dumps({"step": self.step, "changed": changed}) + "\n")
+                listed = ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items())
+                self.notes.append(f"train settings changed at step {self.step}: {listed} (the learning-rate schedule "
+                                  f"follows the new ones from here; {RESUMES_FILE} keeps what config.yaml no longer "
+                                  "says)")
             self.monitor = Monitor(self.out, cfg.steps, self.step, resumed=resume)
             for note in self.notes:
                 self.monitor.message(note)
@@ -606,6 +616,13 @@ def _check_same_run(saved: RunConfig, new: RunConfig) -> None:
             f"cannot resume with train.batch_size {new.train.batch_size}: the run read its data in batches of "
             f"{saved.train.batch_size}, and another size would skip or repeat part of it; keep it, or start a new "
             "run from its weights with --set train.init_from=RUN/checkpoints/last")
+
+
+def _changed_train_settings(saved: RunConfig, new: RunConfig) -> dict[str, list[Any]]:
+    """``{"train.key": [saved value, new value]}`` for each train setting a resume changes."""
+    old, cur = saved.to_dict()["train"], new.to_dict()["train"]
+    return {f"train.{key}": [old.get(key), cur.get(key)] for key in sorted(old.keys() | cur.keys())
+            if old.get(key) != cur.get(key)}
 
 
 def _check_same_start(out: Path, saved: RunConfig, new: RunConfig) -> None:
