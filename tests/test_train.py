@@ -1292,3 +1292,24 @@ def test_a_resume_that_changes_train_settings_keeps_their_history(tmp_path, caps
            "ones from here; resumes.jsonl keeps what config.yaml no longer says)" in capsys.readouterr().err
     train(RunConfig.from_dict(tiny_config(steps=6)), out, resume=True)  # nothing changed: nothing recorded
     assert len((out / "resumes.jsonl").read_text().splitlines()) == 1
+
+
+def test_the_memory_check_counts_what_the_loss_keeps_of_the_logits(monkeypatch):
+    """A batch whose float32 logits alone fit (7.7 of 23 GiB) was killed by the kernel in its first step, with no
+    message: the loss keeps their log-softmax for backward, and backward makes their gradient."""
+    import types
+
+    from poslab.train import trainer
+
+    raw = tiny_config(batch_size=1000)
+    raw["model"]["vocab_size"] = 30000
+    config = RunConfig.from_dict(raw)
+    logits = 4 * 1000 * 64 * 30000
+    process = types.SimpleNamespace(world_size=1, device=torch.device("cpu"))
+    pages = {"SC_PAGE_SIZE": 4096}
+    monkeypatch.setattr(trainer.os, "sysconf", lambda name: pages.get(name, int(2.5 * logits) // 4096))
+    with pytest.raises(ConfigError, match=r"sequences of 64 tokens \(ids; logits, their log-softmax and gradient: "
+                                          r"21\.5 GiB\) need at least .* lower train.batch_size"):
+        trainer._check_memory(config, process, 64)
+    monkeypatch.setattr(trainer.os, "sysconf", lambda name: pages.get(name, 4 * logits // 4096))
+    trainer._check_memory(config, process, 64)

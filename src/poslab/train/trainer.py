@@ -467,8 +467,10 @@ def _check_memory(config: RunConfig, parallel: Parallel, width: int) -> None:
     weights /= parallel.world_size if config.train.fsdp else 1
     rows = config.train.batch_size // parallel.world_size
     batch = 3 * 8 * rows * width  # int64 input_ids, labels and attention_mask of this process's share
-    if not config.model.sparse_prediction:  # float32 logits of one micro-batch, which the loss reads
-        batch += 4 * (rows // config.train.grad_accum) * width * config.model.vocab_size
+    if not config.model.sparse_prediction:
+        # float32 logits of one micro-batch, the log-softmax the loss keeps for backward, and their gradient: a
+        # batch whose logits alone fit (7.7 of 23 GiB) was killed by the kernel, with no message, in its first step
+        batch += 3 * 4 * (rows // config.train.grad_accum) * width * config.model.vocab_size
     # Weights and AdamW moments live throughout; the gradients of a step and the batch's activations peak
     # at different times, so only the larger counts.
     need = 3 * weights + buffers + max(weights, batch)
@@ -477,7 +479,8 @@ def _check_memory(config: RunConfig, parallel: Parallel, width: int) -> None:
     total = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
              else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     require(need <= total, f"the model's {count:,} parameters (weights, gradients, AdamW moments: {state / 2**30:,.1f} "
-                           f"GiB) and a batch of {rows:,} sequences of {width} tokens (ids and logits: "
+                           f"GiB) and a batch of {rows:,} sequences of {width} tokens (ids; logits, their log-softmax and "
+                           f"gradient: "
                            f"{batch / 2**30:,.1f} GiB) need at least {need / 2**30:,.1f} GiB per process, more than "
                            f"the {total / 2**30:,.1f} GiB of {device}; "
                            + ("lower model.d_model, model.n_layers, model.vocab_size or model.max_seq_len"
