@@ -243,6 +243,18 @@ def test_a_first_reproduction_that_failed_before_writing_anything_leaves_no_mark
     with pytest.raises(KeyboardInterrupt):
         runner.reproduce(["one"], "quick", out, log=lambda _: None)
     assert (out / "scale.json").exists()
+    # A training that got as far as taking its lock is a training begun: kept, and the failure still reported
+    locked = tmp_path / "locked"
+
+    def locked_then_failed(scale, out, log, jobs, device):
+        (out / "runs" / "model").mkdir(parents=True)
+        (out / "runs" / "model" / ".lock").write_text("1")
+        raise PoslabError("cannot load")
+
+    monkeypatch.setattr(sys.modules["fake_recipes"], "boom", locked_then_failed)
+    with pytest.raises(PoslabError, match="cannot load"):
+        runner.reproduce(["one"], "quick", locked, log=lambda _: None)
+    assert (locked / "scale.json").exists() and (locked / "one" / "runs" / "model" / ".lock").exists()
     fresh = tmp_path / "fresh"
     interrupt("one", monkeypatch)
     with pytest.raises(KeyboardInterrupt):

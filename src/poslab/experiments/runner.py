@@ -260,7 +260,8 @@ def _mark_scale(out: Path, scale: str) -> bool:
 def _unmark_if_empty(out: Path) -> None:
     """Undo a fresh ``out``'s marker and empty recipe directories when its first reproduction failed before
     writing a file (a corpus that cannot be reached, say): the marker alone would refuse another scale there."""
-    written = [path for path in out.rglob("*") if path.is_file() and path.name not in (SCALE_FILE, LOCK_FILE)]
+    # A training's own .lock counts: its directory is a training begun, and rmdir would fail over the lock
+    written = [path for path in out.rglob("*") if path.is_file() and path not in (out / SCALE_FILE, out / LOCK_FILE)]
     if written:
         return
     for folder in sorted((path for path in out.rglob("*") if path.is_dir()), key=lambda p: len(p.parts),
