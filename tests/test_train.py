@@ -680,17 +680,22 @@ def test_a_text_run_keeps_its_tokenizer_and_refuses_another(tmp_path):
     assert not (tmp_path / "task" / "tokenizer").exists()
 
 
+def tiny_lm_config(cache: Path) -> dict:
+    """tiny_mlm_config's corpus read by a 1-layer decoder as a causal LM (one step)."""
+    lm = tiny_mlm_config(cache, steps=1)
+    lm["model"] = {"arch": "decoder", "vocab_size": None, "d_model": 32, "n_layers": 1, "n_heads": 2,
+                   "max_seq_len": 32}
+    lm["data"] = {key: value for key, value in lm["data"].items() if key != "masking"} | {"kind": "lm"}
+    return lm
+
+
 def test_a_causal_lm_runs_tokenizer_encodes_a_prompt_that_continues(tmp_path):
     """A text becomes [CLS] text: the start of a training window. It was [CLS] text [SEP], and the model took the
     [SEP] for a document's end, so generate() began a new document instead of continuing the prompt. Encoders
     keep [CLS] text [SEP]; a resume still recognises the data's tokenizer."""
     from transformers import AutoTokenizer
 
-    lm = tiny_mlm_config(tmp_path / "cache", steps=1)
-    lm["model"] = {"arch": "decoder", "vocab_size": None, "d_model": 32, "n_layers": 1, "n_heads": 2,
-                   "max_seq_len": 32}
-    lm["data"] = {**lm["data"], "kind": "lm"}
-    lm["data"].pop("masking")
+    lm = tiny_lm_config(tmp_path / "cache")
     train(RunConfig.from_dict(lm), tmp_path / "lm")
     train(RunConfig.from_dict(tiny_mlm_config(tmp_path / "cache", steps=1)), tmp_path / "mlm")
     for run, last in (("lm", "the"), ("mlm", "[SEP]")):
@@ -706,11 +711,7 @@ def test_a_decoders_checkpoint_says_where_generation_stops(tmp_path):
     eos_token_id. A text decoder's documents end at [SEP]; a task's answer at <eos>."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    lm = tiny_mlm_config(tmp_path / "cache", steps=1)
-    lm["model"] = {"arch": "decoder", "vocab_size": None, "d_model": 32, "n_layers": 1, "n_heads": 2,
-                   "max_seq_len": 32}
-    lm["data"] = {**lm["data"], "kind": "lm"}
-    lm["data"].pop("masking")
+    lm = tiny_lm_config(tmp_path / "cache")
     train(RunConfig.from_dict(lm), tmp_path / "lm")
     train(RunConfig.from_dict(tiny_config(steps=1)), tmp_path / "task")
     tok = AutoTokenizer.from_pretrained(tmp_path / "lm" / "tokenizer")
