@@ -191,6 +191,31 @@ def test_killed_before_the_first_checkpoint_starts_over(tmp_path, reference, rel
                        "restarts from step 0 with a one-line note; bitwise equal final run")
 
 
+# Ctrl-C or SIGTERM in a step, in an evaluation, and in a periodic save (run of 6 steps, evaluated every 2):
+# (kill point, the step the run must be saved at).
+INTERRUPTS = [("step@3:SIGINT", 3), ("step@3:SIGTERM", 3), ("evaluate@1:SIGINT", 2), ("save.last.model@1:SIGINT", 4)]
+
+
+def test_an_interrupt_saves_the_step_it_stopped_after(tmp_path, reliability):
+    """Ctrl-C lost every step since the last periodic checkpoint (up to train.checkpoint_every of them). Now the
+    step under way finishes, is saved, and --resume continues to the run that was never interrupted."""
+    config = tiny_config(tmp_path / "c.yaml", eval_every=2, checkpoint_every=4)
+    warm_fork_server(tmp_path / "warm.log")
+    assert run([str(config), "--out", str(tmp_path / "whole")], tmp_path / "whole.log") == 0
+    for i, (point, saved) in enumerate(INTERRUPTS):
+        out, log = tmp_path / f"run{i}", tmp_path / f"run{i}.log"
+        assert run([str(config), "--out", str(out)], log, crash_at=point) == 130, log.read_text()
+        assert assert_not_torn(out) == saved, point
+        assert log.read_text().splitlines()[-1] == (f"poslab: interrupted; the run in {out} resumes from its "
+                                                    f"checkpoint at step {saved} with --resume"), point
+        assert run([str(config), "--out", str(out), "--resume"], tmp_path / f"final{i}.log") == 0
+        assert_same_run(out, tmp_path / "whole", tmp_path / f"final{i}.log", tmp_path / "whole.log")
+    reliability.record("crash", "Ctrl-C (SIGINT) or SIGTERM of `poslab train` mid-step, mid-evaluation and "
+                       "mid-save, between periodic checkpoints, then --resume", len(INTERRUPTS),
+                       "exit 130 naming the step to resume from: the step under way finishes and is saved "
+                       "(no step lost); the resumed run is bitwise equal to the uninterrupted one")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("point", [f"save.{name}.{stage}@{n}" for name in ("last", "best") for stage in SAVE_STAGES
                                    for n in (1, 2)]

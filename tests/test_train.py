@@ -1269,6 +1269,59 @@ def test_a_terminated_training_says_where_it_can_resume(tmp_path):
                                     f"{step} with --resume")
 
 
+def test_a_stop_between_steps_resumes_to_the_run_that_never_stopped(tmp_path, monkeypatch):
+    """Stopped after step 3 of 6 and resumed, a run ends on the weights and losses of one trained straight
+    through; the stop is requested as the signal handler requests it, in the middle of a step."""
+    import signal
+
+    from poslab.train.stopping import StopBetweenSteps
+
+    raw = tiny_config(steps=6, checkpoint_every=100, eval_every=100)
+    train(RunConfig.from_dict(raw), tmp_path / "straight")
+    stops, real_step = [], trainer_module.Trainer._train_step
+
+    class Kept(StopBetweenSteps):
+        def __init__(self, announce: bool) -> None:
+            super().__init__(announce)
+            stops.append(self)
+
+    def step_interrupted_in_the_third(self, step):
+        if step == 2:
+            stops[0]._handle(signal.SIGINT, None)
+        return real_step(self, step)
+
+    monkeypatch.setattr(trainer_module, "StopBetweenSteps", Kept)
+    monkeypatch.setattr(trainer_module.Trainer, "_train_step", step_interrupted_in_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        train(RunConfig.from_dict(raw), tmp_path / "stopped", stop_between_steps=True)
+    assert ckpt.saved_step(tmp_path / "stopped", log=lambda _: None) == 3
+    assert not (tmp_path / "stopped" / ".lock").exists()
+    monkeypatch.undo()
+    train(RunConfig.from_dict(raw), tmp_path / "stopped", resume=True)
+    assert losses(tmp_path / "stopped") == losses(tmp_path / "straight")
+    stopped, straight = (load_file(tmp_path / r / "checkpoints/last/model.safetensors") for r in ("stopped", "straight"))
+    assert all(torch.equal(stopped[k], straight[k]) for k in straight)
+
+
+def test_a_second_ctrl_c_stops_at_once_and_sigterm_meanwhile_is_ignored():
+    """torchrun's agent answers a terminal's Ctrl-C with SIGTERM to its workers: that must not cut the save
+    short; a user pressing Ctrl-C again means it."""
+    import signal
+
+    from poslab.train.stopping import StopBetweenSteps
+
+    stop = StopBetweenSteps(announce=False)
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    with stop.armed():
+        assert signal.getsignal(signal.SIGINT) == stop._handle == signal.getsignal(signal.SIGTERM)
+        stop._handle(signal.SIGTERM, None)
+        assert stop.requested == "SIGTERM"
+        stop._handle(signal.SIGTERM, None)
+        with pytest.raises(KeyboardInterrupt):
+            stop._handle(signal.SIGINT, None)
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
 def test_text_sequences_longer_than_the_model_name_both_settings(tmp_path):
     """A prepared corpus keeps no seq_len of its own, so a text run's data.seq_len defaults to 128 when the run
     config sets none: the refusal said only to raise model.max_seq_len."""

@@ -113,3 +113,43 @@ def test_ranks_whose_tokenizers_differ_are_refused_together(tmp_path):
         assert (tmp_path / f"rank{rank}.err").read_text().startswith(
             "rank(s) 1 read a corpus whose tokenizer differs from rank 0's (each node prepared its own)")
     assert not (tmp_path / "run").exists()
+
+
+def _worker_stopped_by_rank_1(rank: int, root: str, port: int) -> None:
+    """Rank 1 alone is asked to stop, in its third step (a terminal's signal reaches the ranks at different
+    times): both must stop after that step, since the checkpoint save is a collective."""
+    import signal
+
+    from poslab.train import trainer as trainer_module
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(WORLD), TORCHELASTIC_USE_AGENT_STORE="True")
+    stops, real_step = [], trainer_module.Trainer._train_step
+
+    class Kept(trainer_module.StopBetweenSteps):
+        def __init__(self, announce: bool) -> None:
+            super().__init__(announce)
+            stops.append(self)
+
+    def step(self, number):
+        if number == 2 and rank == 1:
+            stops[0]._handle(signal.SIGTERM, None)
+        return real_step(self, number)
+
+    trainer_module.StopBetweenSteps, trainer_module.Trainer._train_step = Kept, step  # a forked process of its own
+    try:
+        train(RunConfig.from_dict(tiny_config(steps=6, checkpoint_every=100, eval_every=100)), Path(root) / "run",
+              stop_between_steps=True)
+    except KeyboardInterrupt:
+        (Path(root) / f"stopped.rank{rank}").write_text(str(stops[0].requested))
+
+
+def test_a_stop_asked_of_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    from poslab.train.checkpoint import saved_step
+
+    store = _store()
+    mp.start_processes(_worker_stopped_by_rank_1, args=(str(tmp_path), store.port), nprocs=WORLD, start_method="fork")
+    assert [(tmp_path / f"stopped.rank{r}").read_text() for r in range(WORLD)] == ["None", "SIGTERM"]
+    assert saved_step(tmp_path / "run", log=lambda _: None) == 3
+    assert len(losses(tmp_path / "run")) == 3

@@ -65,17 +65,19 @@ def crash_point(name: str) -> None:
     ``POSLAB_CRASH_AT=NAME@N`` sends SIGKILL to this process the N-th time (default 1) execution crosses a
     point named NAME or NAME.<anything> (``save@3``: the third point inside any save). Points: ``step``
     (gradients computed, optimizer not yet stepped), ``evaluate`` (metrics computed, not yet logged) and
-    ``save.<checkpoint>.<stage>`` (each stage of ``save_checkpoint``, e.g. ``save.last.renamed``). Unset, as
-    outside crash tests, it costs one environment lookup per point, a few per step.
+    ``save.<checkpoint>.<stage>`` (each stage of ``save_checkpoint``, e.g. ``save.last.renamed``). A suffix
+    names another signal to send: ``step@3:SIGINT`` is a Ctrl-C in the third step. Unset, as outside crash
+    tests, it costs one environment lookup per point, a few per step.
     """
     spec = os.environ.get(CRASH_ENV)
     if not spec:
         return
+    spec, _, signal_name = spec.partition(":")
     target, _, count = spec.partition("@")
     if name == target or name.startswith(target + "."):
         _crossed[target] += 1
         if _crossed[target] == int(count or 1):
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.Signals[signal_name or "SIGKILL"])
 
 
 def rng_state(device: torch.device = torch.device("cpu")) -> dict[str, Any]:

@@ -34,9 +34,10 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     try:
         with _terminate_as_interrupt():
-            final = train(config, args.out, resume=args.resume, overwrite=args.overwrite)
+            final = train(config, args.out, resume=args.resume, overwrite=args.overwrite, stop_between_steps=True)
     except KeyboardInterrupt:
-        # What the user needs next: where the run stands (the steps since its last checkpoint are lost)
+        # What the user needs next: where the run stands (a first interrupt during the steps saved the step it
+        # stopped after; a second one, or one before or after the steps, keeps the last periodic checkpoint)
         step = saved_step(args.out, log=lambda _: None)
         raise KeyboardInterrupt(f"the run in {args.out} resumes from its checkpoint at step {step} with --resume"
                                 if step else f"no checkpoint of the run in {args.out} was saved yet") from None

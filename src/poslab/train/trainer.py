@@ -19,7 +19,8 @@ Resume is exact: batches are a function of (seed, step), and the checkpoint rest
 moments, the schedule position and every RNG, so on CPU the resumed loss sequence is bitwise the same.
 A run killed at any point (tests/test_reliability_crash.py kills it mid-step, mid-evaluation and at every
 stage of a checkpoint save) resumes with ``--resume`` to the same final weights and metrics: from the newest
-intact checkpoint, or from step 0 when it died before its first one. One process at a time owns a run
+intact checkpoint, or from step 0 when it died before its first one. Under ``poslab train`` Ctrl-C and
+SIGTERM stop after the step under way and save it (stopping.py). One process at a time owns a run
 directory (``DIR/.lock``, see lock.py).
 """
 from __future__ import annotations
@@ -49,6 +50,7 @@ from poslab.train.lock import LOCK_FILE, RunLock, RunLocked
 from poslab.train.monitor import METRICS_FILE, Monitor, truncate_metrics
 from poslab.train.optim import build_optimizer, build_scheduler
 from poslab.train.parallel import Parallel, unwrap
+from poslab.train.stopping import StopBetweenSteps
 from poslab.train.provenance import (DATA_FILE, TOKENIZER_DIR, check_same_tokenizer_on_every_rank, data_difference,
                                      hf_tokenizer, record_data, saved_data_version, tokenizer_difference)
 
@@ -70,15 +72,18 @@ class TrainingDiverged(PoslabError):
     """The loss or gradient norm became NaN or infinite; the last good checkpoint is kept."""
 
 
-def train(config: RunConfig, out_dir: str | Path, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+def train(config: RunConfig, out_dir: str | Path, resume: bool = False, overwrite: bool = False,
+          stop_between_steps: bool = False) -> dict[str, Any]:
     """Train as ``config`` says and write the run directory; returns the final metrics (see ``Trainer.fit``).
 
     Under torchrun every process calls this; the process group is created (and destroyed) here unless
-    the caller already made one.
+    the caller already made one. With ``stop_between_steps`` a SIGINT or SIGTERM during the training steps
+    saves checkpoints/last after the step under way and then raises KeyboardInterrupt (see stopping.py).
     """
     parallel = Parallel.setup(config.train.device)
     try:
-        return Trainer(config, Path(out_dir), parallel, resume, overwrite).fit()
+        trainer = Trainer(config, Path(out_dir), parallel, resume, overwrite)
+        return trainer.fit(StopBetweenSteps(announce=parallel.is_main) if stop_between_steps else None)
     finally:
         parallel.close()
 
@@ -292,32 +297,41 @@ class Trainer:
 
     # ---- the loop ---------------------------------------------------------------------------------------
 
-    def fit(self) -> dict[str, Any]:
+    def fit(self, stop: StopBetweenSteps | None = None) -> dict[str, Any]:
         """Train to train.steps, then release the run directory. Returns step, train_loss (the last measured),
         seconds (this session's wall time), tokens_per_s (over this session's training steps, evaluation and
-        checkpoints excluded), the final evaluation as eval_<metric>, and best_step / best_<metric>."""
+        checkpoints excluded), the final evaluation as eval_<metric>, and best_step / best_<metric>.
+        A stop requested through ``stop`` saves checkpoints/last and raises KeyboardInterrupt."""
         cfg, start_step, started = self.cfg, self.step, time.perf_counter()
         window = {"tokens": 0, "seconds": 0.0, "data_seconds": 0.0}
         tokens_total, step_seconds, evaluated, saved = 0, 0.0, None, None
         try:
-            while self.step < cfg.steps:
-                record = self._train_step(self.step)
-                self.step += 1
-                if record["loss"] is not None:
-                    self.last_loss = record["loss"]
-                tokens_total += record["tokens"]
-                step_seconds += record["seconds"]
-                for key in window:
-                    window[key] += record[key]
-                if self.monitor is not None:
-                    self.monitor.step(self.step)
-                if self.step % cfg.log_every == 0 or self.step == cfg.steps:
-                    self._log(record, window)
-                    window = dict.fromkeys(window, 0)
-                if cfg.eval_every and self.step % cfg.eval_every == 0:
-                    evaluated = self._evaluate()
-                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps:
-                    saved = self._save("last")
+            with stop.armed() if stop is not None else contextlib.nullcontext():
+                while self.step < cfg.steps:
+                    record = self._train_step(self.step)
+                    self.step += 1
+                    if record["loss"] is not None:
+                        self.last_loss = record["loss"]
+                    tokens_total += record["tokens"]
+                    step_seconds += record["seconds"]
+                    for key in window:
+                        window[key] += record[key]
+                    if self.monitor is not None:
+                        self.monitor.step(self.step)
+                    if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                        self._log(record, window)
+                        window = dict.fromkeys(window, 0)
+                    if cfg.eval_every and self.step % cfg.eval_every == 0:
+                        evaluated = self._evaluate()
+                    if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps:
+                        saved = self._save("last")
+                    if stop is not None and self.step < cfg.steps and self._stop_requested(stop):
+                        if saved != self.step:
+                            self._save("last")
+                        if self.monitor is not None:
+                            by = stop.requested or "a signal to another process"
+                            self.monitor.message(f"stopped after step {self.step} by {by}; checkpoints/last holds it")
+                        raise KeyboardInterrupt
             # The final weights are evaluated before they are saved: a run never ends on a broken checkpoint.
             # Resuming a finished run evaluates again for the summary, but its record is already in metrics.jsonl.
             final = (evaluated if evaluated is not None and evaluated[0] == self.step
@@ -333,6 +347,12 @@ class Trainer:
         if self.best is not None:
             out.update({"best_step": self.best["step"], f"best_{self.best['metric']}": self.best["value"]})
         return out
+
+    def _stop_requested(self, stop: StopBetweenSteps) -> bool:
+        """Whether any rank was asked to stop: they all stop after the same step, since the save is collective
+        (a signal from a terminal reaches every rank, but not necessarily within one step)."""
+        asked = torch.tensor(float(stop.requested is not None))
+        return bool(self.parallel.sum(asked) > 0) if self.parallel.distributed else bool(asked)
 
     def _train_step(self, step: int) -> dict[str, float]:
         """One optimizer update from the global batch of ``step`` (0-based)."""

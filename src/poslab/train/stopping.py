@@ -1,0 +1,48 @@
+"""Ctrl-C or SIGTERM during ``poslab train`` ends training at the next step boundary with a checkpoint.
+
+Without this an interrupt lost every step since the last periodic checkpoint (up to train.checkpoint_every
+of them, which at paper scale is GPU-hours), and stopping in the middle of an optimizer step can leave the
+weights half-updated. A second Ctrl-C stops at once, as before, for a user who cannot wait for the step;
+a SIGTERM while stopping is ignored, because torchrun's agent answers the terminal's Ctrl-C by sending its
+workers SIGTERM milliseconds later (and SIGKILL when its grace period ends).
+
+Only the CLI asks for this: a library caller, or a reproduction's worker process (which must stay deaf to
+SIGINT, see experiments/common.py), keeps Python's own handling.
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+
+
+class StopBetweenSteps:
+    """Within ``armed()``, the first SIGINT or SIGTERM sets ``requested`` (the signal's name) instead of raising;
+    the loop reads it after each step."""
+
+    def __init__(self, announce: bool = True) -> None:
+        self.requested: str | None = None
+        self.announce = announce  # one line per job, not per torchrun process
+
+    @contextlib.contextmanager
+    def armed(self) -> Iterator[StopBetweenSteps]:
+        if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
+            yield self
+            return
+        previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield self
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.requested is None:
+            self.requested = signal.Signals(signum).name
+            if self.announce:
+                print("poslab: stopping after the step under way and saving a checkpoint (Ctrl-C again to stop now, "
+                      "losing the steps since the last checkpoint)", file=sys.stderr, flush=True)
+        elif signum == signal.SIGINT:
+            raise KeyboardInterrupt
