@@ -229,11 +229,12 @@ def test_a_rerun_removes_the_figures_it_no_longer_draws(runs):
     ("adjacency", ["--compare", "x"], "extrapolation"), ("variance", ["--threshold", "0.9"], "heads"),
     ("spectra", ["--sequences", "8"], "adjacency, variance, probes, heads, frequencies, extrapolation"),
     ("heads", ["--eval-data", "x.yaml"], "extrapolation"), ("extrapolation", ["--split", "test"], None),
-    ("probes", ["--factors", "2"], "extrapolation"), ("frequencies", ["--probe-steps", "3"], "probes")])
+    ("probes", ["--factors", "2"], "extrapolation"), ("frequencies", ["--probe-steps", "3"], "probes"),
+    ("evaluate", ["--sequences", "8"], "adjacency, variance, probes, heads, frequencies, extrapolation")])
 def test_an_option_the_kind_does_not_read_is_refused(kind, option, users, tmp_path):
     """They were dropped without a word: `analyze adjacency --compare B` measured one run and exited 0."""
     name = option[0]
-    users = users or "adjacency, variance, probes, heads, frequencies"
+    users = users or "adjacency, variance, probes, heads, frequencies, evaluate"
     with pytest.raises(ConfigError, match=f"^analyze {kind} does not use {name} \\(read by {users}\\); leave it "
                                           "out$"):
         analyze(kind, "--run", str(tmp_path / "nowhere"), *option)
@@ -660,3 +661,38 @@ def test_text_windows_are_counted_up_and_a_text_of_exactly_one_window_is_read(lm
         "validation"].n_tokens
     exact = evaluate_lengths(run.config, run.model, [text + 1], sequences=4, batch_size=2, eval_data=books(lm_run))
     assert "error" not in exact[0] and exact[0]["sequences"] == 1
+
+
+# ---- evaluate --------------------------------------------------------------------------------------------
+
+def test_evaluate_scores_a_split_as_the_training_evaluation_did(runs, capsys):
+    """On the split and weights of training's last evaluation, evaluate gives its numbers exactly; on the test
+    split it scores every problem (there was no way to score a test split but to train again)."""
+    run = runs / "rope"
+    final = [{k.removeprefix("eval_"): v for k, v in json.loads(line).items() if k.startswith("eval_")}
+             for line in (run / "metrics.jsonl").read_text().splitlines() if "eval_loss" in line][-1]
+    capsys.readouterr()
+    assert analyze("evaluate", "--run", str(run), "--checkpoint", "last", "--batch-size", "5") == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"evaluate: wrote {run / 'analysis' / 'evaluate.json'}"
+    assert json.loads(out[1]) == pytest.approx(final, rel=1e-6)
+    assert analyze("evaluate", "--run", str(run), "--split", "test") == 0
+    saved = json.loads((run / "analysis" / "evaluate.json").read_text())
+    assert saved["split"] == "test" and saved["metrics"]["examples"] == 16 and saved["checkpoint"] == "checkpoints/best"
+    with pytest.raises(ConfigError, match=r"train.eval_split 'tset'.*test"):
+        analyze("evaluate", "--run", str(run), "--split", "tset")
+
+
+def test_evaluate_reads_a_whole_text_split_and_gives_perplexity(lm_run):
+    """Training evaluated its first train.eval_batches (1 here); evaluate reads every sequence of the split."""
+    from poslab.analysis.commands import Options, evaluate
+    from poslab.train import evaluation
+
+    run = Run.load(lm_run / "run")
+    result = evaluate(run, Options(batch_size=3))
+    source = run.source()
+    labelled = sum(int((evaluation.targets(b["labels"], True) != -100).sum())
+                   for b in source.eval_batches("validation", 3))
+    first_batch = int((evaluation.targets(next(source.eval_batches("validation", 4))["labels"], True) != -100).sum())
+    assert result["metrics"]["tokens"] == labelled > first_batch
+    assert result["metrics"]["perplexity"] == pytest.approx(math.exp(result["metrics"]["loss"]))

@@ -1,11 +1,12 @@
 """``poslab analyze KIND --run DIR [...]``: measure a trained run; writes DIR/analysis/<kind>.json and PNGs.
 
-KIND: adjacency, variance, probes, spectra, heads, frequencies, extrapolation (see
+KIND: adjacency, variance, probes, spectra, heads, frequencies, extrapolation, evaluate (see
 ``poslab.analysis.commands``). An option the KIND does not use is refused.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any
 
@@ -32,7 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="evaluation sequences to analyse (extrapolation: at the longest length; text reads the same "
                         "tokens at every length, in more, shorter windows; a task scores every problem of the split)")
     p.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    p.add_argument("--split", default=None, help="evaluation split (default: the run's train.eval_split)")
+    p.add_argument("--split", default=None, help="evaluation split (default: the run's train.eval_split); "
+                   "evaluate scores the whole split")
     p.add_argument("--device", default=defaults.device,
                    help=f"cpu, cuda, cuda:N, mps, or auto: CUDA if there is one (default {defaults.device})")
     p.add_argument("--targets", nargs="+", default=None, help="probes: targets (default: position + every "
@@ -80,7 +82,10 @@ def run(args: argparse.Namespace) -> int:
                    targets=tuple(args.targets) if args.targets else None, eval_data=eval_data)
     run_ = Run.load(args.run, args.checkpoint, device)
     result = ANALYSES[args.kind](run_, opts)
-    print(f"{args.kind}: wrote {run_.out_dir / (args.kind + '.json')} and {', '.join(result['figures'])}")
+    figures = f" and {', '.join(result['figures'])}" if result["figures"] else ""
+    print(f"{args.kind}: wrote {run_.out_dir / (args.kind + '.json')}{figures}")
+    if "metrics" in result:  # a handful of numbers (evaluate): on stdout too, for scripts
+        print(json.dumps(result["metrics"]))
     failed = [rec["error"] for r in result.get("runs", {}).values() for curve in r.get("curves", {}).values()
               for rec in curve if "error" in rec]
     if failed:  # extrapolation records a length it cannot evaluate instead of stopping: say so where it is seen

@@ -7,6 +7,8 @@ frequencies without rotary frequencies, heads with a single logit term) raises C
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import math
 from collections.abc import Callable
@@ -31,6 +33,7 @@ from poslab.analysis.spectra import pca, spectrum_summary
 from poslab.analysis.variance import variance_profile, variance_trend
 from poslab.errors import ConfigError, DataError
 from poslab.positional import InputPositional, get_scheme
+from poslab.train import evaluation as training_evaluation
 
 STREAMS = ["embed", "embed.*", "blocks.*.resid_post", "blocks.*.resid_post.*"]
 ATTN_OUT = ["blocks.*.attn_out", "blocks.*.attn_out.*"]
@@ -367,6 +370,25 @@ def frequencies(run: Run, opts: Options) -> dict:
     return _finish(run, "frequencies", data, figures)
 
 
+# --------------------------------------------------------------------------------------------- evaluate
+
+def evaluate(run: Run, opts: Options) -> dict:
+    """The run's metrics on a whole evaluation split (default: the one training evaluated on), computed as
+    training computes them: loss and token accuracy, exact match for a decoder on a task, perplexity for a
+    causal LM on text. Read-only: a test split is scored once, after training chose its checkpoints on another."""
+    split = opts.split or run.config.train.eval_split
+    train = dataclasses.replace(run.config.train, eval_split=split, eval_batches=None, eval_batch_size=opts.batch_size)
+    config = dataclasses.replace(run.config, train=train)
+    source = run.source()
+    training_evaluation.check(config, source)  # an unknown split: the valid ones
+    metrics = training_evaluation.evaluate(run.model, source, config, run.device, contextlib.nullcontext())
+    if not (metrics.get("tokens") or metrics.get("examples")):
+        raise DataError(f"the {split} split of {run.dir} holds no labelled token to score, so nothing was written")
+    if run.causal and config.data.kind == "lm":
+        metrics["perplexity"] = math.exp(metrics["loss"])
+    return _finish(run, "evaluate", {"split": split, "metrics": metrics}, [])
+
+
 # ------------------------------------------------------------------------------------------ extrapolation
 
 def extrapolation(run: Run, opts: Options) -> dict:
@@ -431,6 +453,7 @@ ANALYSES: dict[str, Callable[[Run, Options], dict]] = {
     "heads": heads,
     "frequencies": frequencies,
     "extrapolation": extrapolation,
+    "evaluate": evaluate,
 }
 
 # The options (Options fields) each KIND reads besides the checkpoint and device; the command line refuses the
@@ -444,4 +467,5 @@ READS: dict[str, set[str]] = {
     "heads": _BATCHES | {"threshold"},
     "frequencies": _BATCHES,
     "extrapolation": {"sequences", "batch_size", "factors", "scalings", "compare", "eval_data"},
+    "evaluate": {"batch_size", "split"},
 }
