@@ -457,6 +457,47 @@ def test_parallel_runs_equal_sequential_ones_and_skip_finished(tmp_path):
     assert ensure_runs(runs(tmp_path / "par"), lines.append, jobs=2) == parallel and lines == []
 
 
+def test_a_recipes_training_stopped_by_ctrl_c_saves_its_step_and_the_rerun_continues(tmp_path, monkeypatch):
+    """A training the reproduction runs in its own process (jobs 1, every one under torchrun) lost the steps
+    since its last periodic checkpoint to a Ctrl-C or torchrun's SIGTERM; now it saves the step under way."""
+    import signal
+
+    from poslab.experiments.common import ensure_runs
+    from poslab.experiments.indirect_indexing import SCALES, run_config
+    from poslab.train import trainer as trainer_module
+    from poslab.train.checkpoint import saved_step
+
+    config = run_config(SCALES["smoke"], "pope", 0)
+    config = {**config, "train": {**config["train"], "checkpoint_every": 100}}
+    stops, real_step = [], trainer_module.Trainer._train_step
+
+    class Kept(trainer_module.StopBetweenSteps):
+        def __init__(self, announce: bool) -> None:
+            super().__init__(announce)
+            stops.append(self)
+
+    def step(self, number):
+        if number == 1:
+            stops[0]._handle(signal.SIGTERM, None)
+        return real_step(self, number)
+
+    monkeypatch.setattr(trainer_module, "StopBetweenSteps", Kept)
+    monkeypatch.setattr(trainer_module.Trainer, "_train_step", step)
+    with pytest.raises(KeyboardInterrupt):
+        ensure_runs({0: (config, tmp_path / "s0")}, lambda _: None, jobs=1)
+    assert saved_step(tmp_path / "s0") == 2 and not (tmp_path / "s0" / "final.json").exists()
+    monkeypatch.undo()
+    assert ensure_runs({0: (config, tmp_path / "s0")}, lambda _: None, jobs=1)[0]["step"] == config["train"]["steps"]
+
+
+def test_an_interrupted_reproduction_says_the_same_command_resumes(tmp_path, fake_recipes, monkeypatch, capsys):
+    interrupt("two", monkeypatch)
+    assert main(["reproduce", "all", "--scale", "smoke", "--out", str(tmp_path)]) == 130
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"poslab: interrupted; the same command resumes: the finished recipes and trainings in {tmp_path} are kept, "
+        "and an unfinished training continues from its last checkpoint")
+
+
 def test_a_later_recipes_stale_run_is_refused_before_anything_trains(tmp_path, fake_recipes):
     """Trainings start ahead of their recipe, so a run trained with other settings in the last recipe stops the
     reproduction at its start, not after the recipes before it have run for an hour."""

@@ -12,6 +12,7 @@ import torch
 from poslab.analysis.runs import DEVICES, analysis_device
 from poslab.arguments import path_argument
 from poslab.errors import PoslabError
+from poslab.train.stopping import terminate_as_interrupt
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -92,7 +93,12 @@ def run(args: argparse.Namespace) -> int:
     if scale == "paper" and not torch.cuda.is_available() and int(os.environ.get("RANK", "0")) == 0:
         print(f"poslab: warning: --scale paper on a machine without CUDA: its trainings take GPU-days (see "
               f"'poslab reproduce {' '.join(args.names)} --scale paper --plan --out {args.out}')", file=sys.stderr)
-    data = reproduce(names, scale, args.out, force=args.force, jobs=jobs, device=device)
+    try:
+        with terminate_as_interrupt():
+            data = reproduce(names, scale, args.out, force=args.force, jobs=jobs, device=device)
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(f"the same command resumes: the finished recipes and trainings in {args.out} are "
+                                "kept, and an unfinished training continues from its last checkpoint") from None
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun the other ranks trained but did not measure
         held = sum(c["held"] for r in data["recipes"].values() for c in r["claims"])
         total = sum(len(r["claims"]) for r in data["recipes"].values())

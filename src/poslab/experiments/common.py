@@ -86,16 +86,19 @@ def _stale(out: Path, difference: str) -> str:
     return f"{out} was trained with other settings ({difference})"
 
 
-def ensure_run(config: dict[str, Any], out: Path, log: Callable[[str], None]) -> dict[str, Any]:
+def ensure_run(config: dict[str, Any], out: Path, log: Callable[[str], None],
+               stop_between_steps: bool = False) -> dict[str, Any]:
     """Train ``config`` into ``out`` and return its final metrics. A finished run is not trained again
-    (its metrics come from out/final.json); an interrupted one resumes from its last checkpoint."""
+    (its metrics come from out/final.json); an interrupted one resumes from its last checkpoint.
+    ``stop_between_steps``: Ctrl-C or SIGTERM saves the step under way first (poslab.train.stopping); not in
+    a worker process, which must stay deaf to the terminal's Ctrl-C."""
     cfg = RunConfig.from_dict(config)
     metrics, resume, exists = _rank_zero_view(lambda: _state(cfg, out))
     if metrics is not None:
         return metrics
     log(f"  training {out.name}: {cfg.model.to_dict().get('positional', {}).get('name', cfg.model.to_dict()['arch'])}"
         f", {cfg.train.steps} steps")
-    metrics = train(cfg, out, resume=resume, overwrite=not resume and exists)
+    metrics = train(cfg, out, resume=resume, overwrite=not resume and exists, stop_between_steps=stop_between_steps)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one writer
         tmp = out / f".{FINAL}.tmp"
         tmp.write_text(json.dumps(metrics, default=float))
@@ -139,7 +142,7 @@ def ensure_runs(runs: dict[Any, tuple[dict[str, Any], Path]], log: Callable[[str
     """
     with train_ahead([runs], jobs, log), _worker_death_explained():
         done = {name: _ahead[key].result() for name, (_, out) in runs.items() if (key := out.resolve()) in _ahead}
-    return {name: done[name] if name in done else ensure_run(config, out, log)
+    return {name: done[name] if name in done else ensure_run(config, out, log, stop_between_steps=True)
             for name, (config, out) in runs.items()}
 
 

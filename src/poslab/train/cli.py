@@ -5,15 +5,14 @@ Under torchrun every process runs the same command: ``torchrun --nproc_per_node 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
-import signal
 
 from poslab.arguments import output_argument
 from poslab.train import load_config, train
 from poslab.train.checkpoint import saved_step
+from poslab.train.stopping import terminate_as_interrupt
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -33,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     try:
-        with _terminate_as_interrupt():
+        with terminate_as_interrupt():
             final = train(config, args.out, resume=args.resume, overwrite=args.overwrite, stop_between_steps=True)
     except KeyboardInterrupt:
         # What the user needs next: where the run stands (a first interrupt during the steps saved the step it
@@ -47,17 +46,3 @@ def run(args: argparse.Namespace) -> int:
         summary = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in final.items()}
         print(json.dumps(summary, allow_nan=False))
     return 0
-
-
-@contextlib.contextmanager
-def _terminate_as_interrupt():
-    """SIGTERM (what batch schedulers and torchrun send) ends training as Ctrl-C does, saying where it stands,
-    instead of killing it without a word."""
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)

@@ -6,8 +6,9 @@ weights half-updated. A second Ctrl-C stops at once, as before, for a user who c
 a SIGTERM while stopping is ignored, because torchrun's agent answers the terminal's Ctrl-C by sending its
 workers SIGTERM milliseconds later (and SIGKILL when its grace period ends).
 
-Only the CLI asks for this: a library caller, or a reproduction's worker process (which must stay deaf to
-SIGINT, see experiments/common.py), keeps Python's own handling.
+Only the CLI asks for this (``poslab train``, and the trainings ``poslab reproduce`` runs in its own
+process): a library caller, or a reproduction's worker process (which must stay deaf to SIGINT, see
+experiments/common.py), keeps Python's own handling.
 """
 from __future__ import annotations
 
@@ -46,3 +47,17 @@ class StopBetweenSteps:
                       "losing the steps since the last checkpoint)", file=sys.stderr, flush=True)
         elif signum == signal.SIGINT:
             raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM (what batch schedulers and torchrun send) ends a command as Ctrl-C does, saying where it stands,
+    instead of killing it without a word."""
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
