@@ -464,25 +464,12 @@ def test_a_recipes_training_stopped_by_ctrl_c_saves_its_step_and_the_rerun_conti
 
     from poslab.experiments.common import ensure_runs
     from poslab.experiments.indirect_indexing import SCALES, run_config
-    from poslab.train import trainer as trainer_module
     from poslab.train.checkpoint import saved_step
+    from test_train import ask_to_stop_in_step
 
     config = run_config(SCALES["smoke"], "pope", 0)
     config = {**config, "train": {**config["train"], "checkpoint_every": 100}}
-    stops, real_step = [], trainer_module.Trainer._train_step
-
-    class Kept(trainer_module.StopBetweenSteps):
-        def __init__(self, announce: bool) -> None:
-            super().__init__(announce)
-            stops.append(self)
-
-    def step(self, number):
-        if number == 1:
-            stops[0]._handle(signal.SIGTERM, None)
-        return real_step(self, number)
-
-    monkeypatch.setattr(trainer_module, "StopBetweenSteps", Kept)
-    monkeypatch.setattr(trainer_module.Trainer, "_train_step", step)
+    ask_to_stop_in_step(1, signal.SIGTERM, monkeypatch.setattr)
     with pytest.raises(KeyboardInterrupt):
         ensure_runs({0: (config, tmp_path / "s0")}, lambda _: None, jobs=1)
     assert saved_step(tmp_path / "s0") == 2 and not (tmp_path / "s0" / "final.json").exists()

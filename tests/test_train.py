@@ -10,6 +10,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -1269,29 +1270,33 @@ def test_a_terminated_training_says_where_it_can_resume(tmp_path):
                                     f"{step} with --resume")
 
 
+def ask_to_stop_in_step(number: int, signum: int, patch: Callable[[Any, str, Any], None] = setattr) -> None:
+    """From now on, the trainer's stop handler receives ``signum`` inside step ``number`` (0-based), as a signal
+    arriving mid-step would. ``patch``: monkeypatch.setattr in a test, setattr in a process of its own."""
+    stops, real_step = [], trainer_module.Trainer._train_step
+
+    class Kept(trainer_module.StopBetweenSteps):
+        def __init__(self, announce: bool) -> None:
+            super().__init__(announce)
+            stops.append(self)
+
+    def step(self, step: int):
+        if step == number:
+            stops[-1]._handle(signum, None)
+        return real_step(self, step)
+
+    patch(trainer_module, "StopBetweenSteps", Kept)
+    patch(trainer_module.Trainer, "_train_step", step)
+
+
 def test_a_stop_between_steps_resumes_to_the_run_that_never_stopped(tmp_path, monkeypatch):
     """Stopped after step 3 of 6 and resumed, a run ends on the weights and losses of one trained straight
     through; the stop is requested as the signal handler requests it, in the middle of a step."""
     import signal
 
-    from poslab.train.stopping import StopBetweenSteps
-
     raw = tiny_config(steps=6, checkpoint_every=100, eval_every=100)
     train(RunConfig.from_dict(raw), tmp_path / "straight")
-    stops, real_step = [], trainer_module.Trainer._train_step
-
-    class Kept(StopBetweenSteps):
-        def __init__(self, announce: bool) -> None:
-            super().__init__(announce)
-            stops.append(self)
-
-    def step_interrupted_in_the_third(self, step):
-        if step == 2:
-            stops[0]._handle(signal.SIGINT, None)
-        return real_step(self, step)
-
-    monkeypatch.setattr(trainer_module, "StopBetweenSteps", Kept)
-    monkeypatch.setattr(trainer_module.Trainer, "_train_step", step_interrupted_in_the_third)
+    ask_to_stop_in_step(2, signal.SIGINT, monkeypatch.setattr)
     with pytest.raises(KeyboardInterrupt):
         train(RunConfig.from_dict(raw), tmp_path / "stopped", stop_between_steps=True)
     assert ckpt.saved_step(tmp_path / "stopped", log=lambda _: None) == 3
