@@ -134,3 +134,29 @@ def test_render_counts_a_shared_training_once_with_its_first_recipe():
     assert "| b | 1 | 2e+03 | 0 |" in lines
     assert "| c | 1 | 4e+03 | 1e+03 |" in lines
     assert "| total | 3 | 7e+03 | 2e+03 |" in lines
+
+
+def test_every_paper_scale_training_fits_8_gpus_of_80_gib(tmp_path, monkeypatch):
+    """The memory check run on every paper-scale training as torchrun on 8 GPUs of 80 GiB would see it, each
+    sized at its tokenizer's cap: the language models' final evaluation asked for 147 GiB or more per GPU (a whole
+    512 x 1024 batch of logits) and would have failed after their whole training."""
+    import importlib
+    import types
+
+    import torch
+
+    from poslab.experiments.runner import RECIPES
+    from poslab.train import RunConfig
+    from poslab.train import trainer
+
+    gpu = types.SimpleNamespace(total_memory=80 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: gpu)
+    parallel = types.SimpleNamespace(world_size=8, device=torch.device("cuda", 0))
+    checked = 0
+    for name, (where, _) in RECIPES.items():
+        for config, _ in importlib.import_module(where.split(":")[0]).runs("paper", tmp_path / name).values():
+            vocab, sequence = planning.data_shape(config["data"], config.get("seed", 0))
+            cfg = RunConfig.from_dict({**config, "model": {**config["model"], "vocab_size": vocab}})
+            trainer._check_memory(cfg, parallel, sequence)
+            checked += 1
+    assert checked >= 60

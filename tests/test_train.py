@@ -1091,6 +1091,35 @@ def tiny_encoder_config(cache: Path, **train) -> dict:
                   "max_seq_len": 32, "sparse_prediction": True}}
 
 
+def test_a_section_can_name_a_yaml_file_or_a_ready_model(tmp_path, monkeypatch):
+    """A run config could not share a model file (the DSTG ready configs were copied into each run config):
+    a section given as a string names a YAML file, relative to the run config; --set changes its values."""
+    from poslab.models.dstg import ready_config
+
+    (tmp_path / "configs" / "models").mkdir(parents=True)
+    raw = tiny_config(steps=1)
+    (tmp_path / "configs" / "models" / "small.yaml").write_text(yaml.safe_dump(raw["model"]))
+    path = write_config(tmp_path / "configs" / "run.yaml", raw | {"model": "models/small.yaml"})
+    monkeypatch.chdir(tmp_path)  # the file is found beside the run config, not in the current directory
+    config = load_config(path, ["model.n_layers=3"])
+    assert config.model.to_dict() == RunConfig.from_dict(raw).model.to_dict() | {"n_layers": 3}
+    train(config, tmp_path / "run")
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"]["n_layers"] == 3
+    mlm = tiny_mlm_config(tmp_path / "cache")
+    dstg = load_config(write_config(tmp_path / "mlm.yaml", mlm | {"model": "paper/dstg"}), ["model.n_layers=2"])
+    assert dstg.model.to_dict() == load_config(write_config(tmp_path / "whole.yaml", mlm | {
+        "model": ready_config("dstg", "paper") | {"n_layers": 2}})).model.to_dict()
+    assert load_config(path, ["model=paper/rope_neobert", "data.kind=mlm"] + [
+        f"data.{k}={json.dumps(v)}" for k, v in mlm["data"].items() if k != "kind"]).model.arch == "encoder"
+    with pytest.raises(ConfigError, match=r"^model: 'models/big.yaml' is neither a mapping of model keys nor a YAML "
+                                          r"file \(looked for .*configs/models/big.yaml and models/big.yaml\), nor "
+                                          r"a ready config \(quick/dstg, "):
+        load_config(write_config(tmp_path / "configs" / "bad.yaml", raw | {"model": "models/big.yaml"}))
+    (tmp_path / "configs" / "list.yaml").write_text("[1, 2]\n")
+    with pytest.raises(ConfigError, match=r"^train file .*list.yaml must hold a mapping of train keys, got list$"):
+        load_config(write_config(tmp_path / "configs" / "bad.yaml", raw | {"train": "list.yaml"}))
+
+
 def test_dstg_masked_lm_run_on_a_text_source(tmp_path):
     config = RunConfig.from_dict(tiny_mlm_config(tmp_path / "cache"))
     assert config.model.vocab_size == config.data.build(0).vocab_size and not config.model.causal
@@ -1372,3 +1401,24 @@ def test_the_memory_check_counts_what_the_loss_keeps_of_the_logits(monkeypatch):
         trainer._check_memory(config, process, 64)
     monkeypatch.setattr(trainer.os, "sysconf", lambda name: pages.get(name, 4 * logits // 4096))
     trainer._check_memory(config, process, 64)
+
+
+def test_the_memory_check_counts_a_whole_evaluation_batch(monkeypatch):
+    """Accumulation shrinks a training micro-batch, but every process evaluates whole batches of
+    train.eval_batch_size (the global batch by default): at paper scale (512 x 1024 tokens, 50257 words) their
+    logits take 147 GiB or more, and the run would have died at its final evaluation, before saving its last steps."""
+    import types
+
+    from poslab.train import trainer
+
+    raw = tiny_config(batch_size=1000, grad_accum=8)
+    raw["model"]["vocab_size"] = 30000
+    logits = 4 * 1000 * 64 * 30000
+    process = types.SimpleNamespace(world_size=1, device=torch.device("cpu"))
+    pages = {"SC_PAGE_SIZE": 4096}
+    monkeypatch.setattr(trainer.os, "sysconf", lambda name: pages.get(name, int(2.5 * logits) // 4096))
+    trainer._check_memory(RunConfig.from_dict(raw | {"train": {**raw["train"], "eval_batch_size": 100}}), process, 64)
+    with pytest.raises(ConfigError, match=r"^an evaluation batch of 1,000 sequences of 64 tokens \(ids; logits, a float "
+                                          r"copy and their log-softmax: 21\.5 GiB\) .* lower train.eval_batch_size "
+                                          r"\(now null, so train.batch_size's 1,000\)$"):
+        trainer._check_memory(RunConfig.from_dict(raw), process, 64)

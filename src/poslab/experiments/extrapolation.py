@@ -61,11 +61,14 @@ SCALES = {
               # lr 6e-4 to 0 after 700 warm-up steps, weight decay 0.1 (llm.c decays every matrix, poslab only
               # linear weights, never embeddings). 8 micro-batches: the fp32 logits of the whole batch alone
               # would take 98 GiB; 8 GPUs under torchrun each take 8 sequences of each.
+              # The final evaluation reads 4096 sequences, 8 at a time: every process evaluates whole batches,
+              # and one of 512 x 1024 tokens would take 147 GiB or more of logits.
               "train": {"steps": 18865, "batch_size": 512, "grad_accum": 8, "lr": 6e-4, "min_lr": 0.0,
-                        "warmup_steps": 700, "weight_decay": 0.1, "betas": [0.9, 0.95], "checkpoint_every": 1000},
+                        "warmup_steps": 700, "weight_decay": 0.1, "betas": [0.9, 0.95], "checkpoint_every": 1000,
+                        "eval_batch_size": 8, "eval_batches": 512},
               # The paper's YaRN: 500 steps at 4096; as many tokens a step as training (128 x 4096).
               "finetune": {"factor": 4, "steps": 500, "batch_size": 128, "grad_accum": 16, "lr": 6e-5,
-                           "warmup_steps": 20},
+                           "warmup_steps": 20, "eval_batch_size": 2, "eval_batches": 512},
               "factors": (1, 2, 4, 6, 8, 10), "sequences": 256, "eval_data": "pg19_eval.yaml",
               # The paper's larger models, GPT-2-shaped so that their tied counts come to its 253M and 774M;
               # the same global batch in smaller micro-batches. The base model above is the 124M; sizes are

@@ -8,7 +8,8 @@ A run config has four sections::
     train: {steps: 2000, batch_size: 64, lr: 3.0e-4, ...}          # TrainConfig below
 
 ``model.vocab_size`` null (or absent) is taken from the data source, so a config never repeats the
-tokenizer's size.
+tokenizer's size. A section may name a YAML file holding it instead (``model: ../models/mine.yaml``,
+relative to the run config), and a model section a ready config (``model: paper/dstg``).
 Every error names the offending key (``train.lr``) and what to change; unknown keys get the closest valid
 spelling. ``--set train.lr=1e-3`` overrides parse their value as YAML.
 """
@@ -30,6 +31,7 @@ from poslab.arguments import load_yaml_text, read_yaml
 from poslab.errors import (ConfigError, check_fields, check_type, cut, finite, known_fields, lookup, parse_number,
                            require, shown)
 from poslab.models import ARCHS, DSTGConfig, ModelConfig
+from poslab.models.dstg import CONFIG_DIR as READY_DIR, READY, SCALES as READY_SCALES
 
 PRECISIONS = ("auto", "fp32", "bf16")
 SCHEDULES = ("cosine", "constant")
@@ -201,19 +203,49 @@ class RunConfig:
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
-    """Read a YAML run config, apply ``key.path=value`` overrides, validate."""
+    """Read a YAML run config, apply ``key.path=value`` overrides, validate. A section given as a string
+    names a YAML file that holds it (see ``_section_file``); overrides then change that file's values."""
     raw = read_yaml(path)
     require(raw not in (None, {}) or bool(overrides), f"{path} is empty: a run config holds seed, model, data and "
                                                       "train (examples: src/poslab/configs/tasks/*.yaml)")
     raw = {} if raw is None else raw
     require(isinstance(raw, dict), f"{path} must hold a mapping of seed/model/data/train, got {type(raw).__name__}")
+    _read_section_files(raw, Path(path).parent)
     for item in overrides:
         apply_override(raw, item)
+    _read_section_files(raw, Path.cwd())  # `--set model=paper/dstg` names a file from the command line
     return RunConfig.from_dict(raw)
 
 
 # A run config's sections (besides its seed), which `--set SECTION=null` would drop whole
 SECTIONS = ("model", "data", "train")
+
+
+def _read_section_files(raw: dict[str, Any], folder: Path) -> None:
+    for section in SECTIONS:
+        if isinstance(raw.get(section), str):
+            raw[section] = _section_file(raw[section], section, folder)
+
+
+def _section_file(name: str, section: str, folder: Path) -> dict[str, Any]:
+    """The mapping in the YAML file ``name``: relative to ``folder`` (the run config's), then to the current
+    directory. A model section may also name a ready config as SCALE/NAME (``paper/dstg``:
+    configs/models/paper/dstg.yaml in the package), so that a run config can share one model file."""
+    path = Path(name)
+    candidates = [path] if path.is_absolute() else [folder / path, path]
+    scale, _, ready = name.partition("/")
+    if section == "model" and scale in READY_SCALES and ready in READY:
+        candidates.append(READY_DIR / scale / f"{ready}.yaml")
+    found = next((c for c in candidates if c.is_file()), None)
+    if found is None:
+        also = (f", nor a ready config ({', '.join(f'{s}/{r}' for s in READY_SCALES for r in READY)})"
+                if section == "model" else "")
+        raise ConfigError(f"{section}: '{cut(name)}' is neither a mapping of {section} keys nor a YAML file (looked "
+                          f"for {' and '.join(str(c) for c in dict.fromkeys(candidates))}){also}")
+    values = read_yaml(found, f"{section} file")
+    require(isinstance(values, dict), f"{section} file {found} must hold a mapping of {section} keys, got "
+                                      f"{type(values).__name__}")
+    return values
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:

@@ -487,17 +487,28 @@ def _check_memory(config: RunConfig, parallel: Parallel, width: int) -> None:
     weights /= parallel.world_size if config.train.fsdp else 1
     rows = config.train.batch_size // parallel.world_size
     batch = 3 * 8 * rows * width  # int64 input_ids, labels and attention_mask of this process's share
+    # Every process evaluates whole batches of train.eval_batch_size (default: the global batch, undivided by
+    # processes or accumulation): at paper scale their logits alone outgrew a GPU, after the whole training
+    eval_rows = config.train.eval_batch_size or config.train.batch_size
+    evaluation = 3 * 8 * eval_rows * width
     if not config.model.sparse_prediction:
         # float32 logits of one micro-batch, the log-softmax the loss keeps for backward, and their gradient: a
         # batch whose logits alone fit (7.7 of 23 GiB) was killed by the kernel, with no message, in its first step
         batch += 3 * 4 * (rows // config.train.grad_accum) * width * config.model.vocab_size
-    # Weights and AdamW moments live throughout; the gradients of a step and the batch's activations peak
-    # at different times, so only the larger counts.
-    need = 3 * weights + buffers + max(weights, batch)
+        evaluation += 3 * 4 * eval_rows * width * config.model.vocab_size  # logits, their float copy, log-softmax
+    # Weights and AdamW moments live throughout; the gradients of a step, the batch's activations and an
+    # evaluation's peak at different times, so only the largest counts.
+    need = 3 * weights + buffers + max(weights, batch, evaluation)
     state = 4 * weights + buffers
     device = parallel.device
     total = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
              else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    if need > total and evaluation > max(weights, batch):
+        now = config.train.eval_batch_size or f"null, so train.batch_size's {config.train.batch_size:,}"
+        raise ConfigError(f"an evaluation batch of {eval_rows:,} sequences of {width} tokens (ids; logits, a float "
+                          f"copy and their log-softmax: {evaluation / 2**30:,.1f} GiB) beside the model's {count:,} "
+                          f"parameters and AdamW moments needs at least {need / 2**30:,.1f} GiB per process, more "
+                          f"than the {total / 2**30:,.1f} GiB of {device}; lower train.eval_batch_size (now {now})")
     require(need <= total, f"the model's {count:,} parameters (weights, gradients, AdamW moments: {state / 2**30:,.1f} "
                            f"GiB) and a batch of {rows:,} sequences of {width} tokens (ids; logits, their log-softmax and "
                            f"gradient: "
