@@ -412,6 +412,27 @@ def test_local_tokenizer_directory_and_missing_specials(prepared, tmp_path):
     assert manifest["tokenizer"]["vocab_size"] == 7 and manifest["tokenizer"]["special_ids"]["mask"] == 4
 
 
+def test_a_tokenizer_named_as_on_the_hugging_face_hub(tmp_path, monkeypatch):
+    """The DSTG paper's bert-base-uncased could be used only from a directory downloaded by hand: a hub name
+    loads as datasets load by name, through the hub's cache (a cache the test makes; tests run offline)."""
+    import huggingface_hub
+
+    snapshot = tmp_path / "hub" / "models--tests--tiny-bert" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "to", "."]))
+    (snapshot / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizer"}))
+    (snapshot / "config.json").write_text(json.dumps({"model_type": "bert"}))  # a model repository's, as the hub's
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)  # no local directory of that name
+    manifest = prepare(_config(tokenizer={"path": "tests/tiny-bert"}), tmp_path / "b")
+    assert manifest["tokenizer"]["vocab_size"] == 7 and manifest["tokenizer"]["special_ids"]["mask"] == 4
+    with pytest.raises(DataError, match=r"^cannot load tokenizer 'tests/no-such-bert': no local directory, and from "
+                                        r"the Hugging Face hub: "):
+        load_tokenizer("tests/no-such-bert")
+
+
 def test_local_tokenizer_truncation_and_padding_are_ignored(prepared, tmp_path):
     """A tokenizer.json may be saved with truncation and padding on (sentence-transformers models ship
     them): applied to whole documents, they cut each to max_length tokens and wrote [PAD]s into the stream."""

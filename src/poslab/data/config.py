@@ -45,9 +45,9 @@ BERT_SPECIAL_TOKENS = {"cls": "[CLS]", "sep": "[SEP]", "pad": "[PAD]", "mask": "
 
 @dataclass
 class TokenizerConfig:
-    """Either ``path`` (a local tokenizer directory: tokenizer.json, or anything transformers'
-    AutoTokenizer reads offline) or a tokenizer trained on the first ``train_documents`` documents after
-    the validation split.
+    """Either ``path`` (a local tokenizer directory: tokenizer.json, or anything transformers' AutoTokenizer
+    reads; or a Hugging Face hub name such as bert-base-uncased, downloaded once) or a tokenizer trained on the
+    first ``train_documents`` documents after the validation split.
 
     ``special_tokens`` maps roles to token strings; the defaults are BERT's. A loaded tokenizer lacking
     one of them is rejected (``mask`` is only required for masked-LM data).

@@ -115,17 +115,23 @@ def _canonical_ids(tok: Tokenizer) -> Tokenizer:
     return Tokenizer.from_str(json.dumps(data))
 
 
+# A Hugging Face hub repository id: "name" or "owner/name" (what a local path rarely is: it has no ./ or /x/y)
+HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """A local tokenizer directory (or tokenizer.json file): tokenizers' own format first, else whatever
-    transformers' AutoTokenizer reads offline, as long as it is a fast (Rust-backed) tokenizer. Truncation
-    and padding saved with it are turned off: the pipeline encodes whole documents and cuts sequences itself."""
-    tok = _load_tokenizer(Path(path))
+    transformers' AutoTokenizer reads, as long as it is a fast (Rust-backed) tokenizer. A name that is no local
+    path but a hub id (``bert-base-uncased``, as the DSTG paper's) is loaded from the Hugging Face hub, as
+    datasets are by name: downloaded once into its cache. Truncation and padding saved with it are turned off:
+    the pipeline encodes whole documents and cuts sequences itself."""
+    tok = _load_tokenizer(Path(path), str(path))
     tok.no_truncation()
     tok.no_padding()
     return tok
 
 
-def _load_tokenizer(path: Path) -> Tokenizer:
+def _load_tokenizer(path: Path, name: str) -> Tokenizer:
     file = path if path.is_file() else path / "tokenizer.json" if (path / "tokenizer.json").is_file() else None
     if file is not None:
         try:
@@ -133,16 +139,19 @@ def _load_tokenizer(path: Path) -> Tokenizer:
         except Exception as err:  # tokenizers raises a bare Exception for a file that is not its JSON
             raise DataError(f"cannot load tokenizer from {file}: {str(err).splitlines()[0]} (not a tokenizers "
                             "tokenizer.json)") from None
-    if not path.is_dir():
-        raise DataError(f"no tokenizer at {path}: expected a directory with tokenizer.json (or vocab files)")
+    hub = not path.exists() and HUB_ID.fullmatch(name) is not None
+    if not path.is_dir() and not hub:
+        raise DataError(f"no tokenizer at {path}: expected a directory with tokenizer.json (or vocab files), or "
+                        "a Hugging Face hub name such as bert-base-uncased")
     from transformers import AutoTokenizer
 
     try:
-        hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        hf = AutoTokenizer.from_pretrained(name, local_files_only=not hub)
     except (OSError, ValueError) as err:
-        raise DataError(f"cannot load tokenizer from {path}: {str(err).splitlines()[0]}") from None
+        where = f"'{name}': no local directory, and from the Hugging Face hub" if hub else f"from {path}"
+        raise DataError(f"cannot load tokenizer {where}: {str(err).splitlines()[0]}") from None
     if not getattr(hf, "is_fast", False):
-        raise DataError(f"tokenizer at {path} has no fast (Rust) version; convert it or save tokenizer.json")
+        raise DataError(f"tokenizer {name} has no fast (Rust) version; convert it or save tokenizer.json")
     return hf.backend_tokenizer
 
 
