@@ -595,7 +595,7 @@ def test_paper_scale_trainings_are_valid_configs(name, tmp_path):
     for config, out in trainings.values():
         cfg = RunConfig.from_dict({**config, "model": {**config["model"], "vocab_size": 1000}})
         with torch.device("meta"):
-            assert build_model(cfg.model).num_parameters() > 10_000_000
+            assert build_model(cfg.model).num_parameters() > 2_000_000  # adjacency's smallest size: 6 x 192
         data = dict(config["data"])
         if data.pop("kind") in ("lm", "mlm"):
             assert DataConfig.from_options(data).source["type"] == "hf"  # a corpus by name, streamed

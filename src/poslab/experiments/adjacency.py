@@ -73,6 +73,9 @@ INIT_SEEDS = (0, 1, 2)
 SIZES = {"smoke": ((1, 64), (2, 128)),
          "quick": tuple((layers, width) for layers in (6, 12, 24) for width in (192, 384, 768))}
 SIZES["paper"] = SIZES["quick"]
+# Scales that also train NoPE at every size (the paper finds the pattern stable across sizes after training
+# too): on the first task, first seed; the scale's own model is the main runs'. Too slow for quick.
+TRAINED_SIZES = ("smoke", "paper")
 
 
 def run_config(scale: dict, task: str, scheme: str, seed: int) -> dict:
@@ -107,10 +110,22 @@ def size_scores(base: dict, sizes: tuple[tuple[int, int], ...], batches: list[di
 
 
 def runs(scale_name: str, out: Path) -> dict:
-    """The trainings: (scheme, task, seed) -> (run config, run directory); NoPE, and RoPE for comparison."""
+    """The trainings: (scheme, task, seed) -> (run config, run directory); NoPE, and RoPE for comparison; then
+    (layers, width) -> NoPE on the first task at each further model size, where the scale trains sizes."""
     scale = SCALES[scale_name]
-    return {(scheme, task, seed): (run_config(scale, task, scheme, seed), out / "runs" / f"{scheme}-{task}-s{seed}")
-            for task in TASKS for seed in scale["seeds"] for scheme in ("nope", "rope")}
+    trainings = {(scheme, task, seed): (run_config(scale, task, scheme, seed), out / "runs" / f"{scheme}-{task}-s{seed}")
+                 for task in TASKS for seed in scale["seeds"] for scheme in ("nope", "rope")}
+    for layers, width in sized_runs(scale_name):
+        sized = {**scale, "model": {"d_model": width, "n_layers": layers, "n_heads": width // 64}}
+        trainings[layers, width] = (run_config(sized, TASKS[0], "nope", scale["seeds"][0]),
+                                    out / "runs" / f"nope-{TASKS[0]}-{layers}x{width}-s{scale['seeds'][0]}")
+    return trainings
+
+
+def sized_runs(scale_name: str) -> tuple[tuple[int, int], ...]:
+    """The (layers, width) the scale trains besides its own model."""
+    own = (SCALES[scale_name]["model"]["n_layers"], SCALES[scale_name]["model"]["d_model"])
+    return tuple(size for size in SIZES[scale_name] if size != own) if scale_name in TRAINED_SIZES else ()
 
 
 def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, device: str = "cpu") -> RecipeResult:
@@ -173,6 +188,14 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
     mean_drop = max(ablation[(s, 0.0)] - ablation[(s, m)] for s in small_stds for m in INIT_MEANS[1:])
     std_drop = min(ablation[(s, 0.0)] - ablation[(INIT_STDS[-1], 0.0)] for s in small_stds)
     sizes = size_scores(base.model.to_dict(), SIZES[scale_name], batches)
+    trained_sizes = {}
+    if sized_runs(scale_name):
+        all_runs = runs(scale_name, out)
+        for layers, width in SIZES[scale_name]:  # at the scale's own size, its first run on the first task
+            _, run_dir = all_runs.get((layers, width)) or all_runs["nope", TASKS[0], scale["seeds"][0]]
+            last = f"blocks.{layers - 1}.attn_out"
+            found = first_layer_scores(Run.load(run_dir, device=device).model, batches, (last,))
+            trained_sizes[layers, width] = {"first": found[FIRST_LAYER], "last": found[last]}
     torch.manual_seed(0)
     encoder = build_model({**untrained, "arch": "encoder"}).eval()
     bidirectional = first_layer_scores(encoder, batches)[FIRST_LAYER]
@@ -215,6 +238,11 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
         claims.all_of("at initialisation the pattern is stable across model sizes: first attention layer's output "
                       f">= 0.8 at every size (layers x width: {', '.join(by_size)})", "stable across sizes",
                       by_size, 0.8),
+        *([claims.all_of("after training the pattern is stable across model sizes too: first attention layer's "
+                         f"output >= 0.8 at every size ({TASKS[0]}, seed {scale['seeds'][0]}; layers x width: "
+                         f"{', '.join(f'{l} x {w}' for l, w in trained_sizes)})", "stable across sizes",
+                         {f"{l} x {w}": s["first"] for (l, w), s in trained_sizes.items()}, 0.8)]
+          if trained_sizes else []),
         claims.within("bidirectional NoPE control has no adjacency pattern (first attention layer's output; "
                       f"{at_init})", "~0.5", bidirectional, 0.4, 0.6),
         claims.lowest("cosine-similarity features predict position better than variance features "
@@ -231,9 +259,13 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
          "columns": ["std \\ mean", *[f"{m:g}" for m in INIT_MEANS]],
          "rows": [[s, *[ablation[(s, m)] for m in INIT_MEANS]] for s in INIT_STDS]},
         {"title": f"Model sizes at initialisation ({TASKS[0]} sequences): score of the first and the last attention "
-                  "layer's output",
-         "columns": ["layers", "width", "first layer", "last layer"],
-         "rows": [[layers, width, s["first"], s["last"]] for (layers, width), s in sizes.items()]},
+                  "layer's output" + (f"; after training on {TASKS[0]} too (seed {scale['seeds'][0]})"
+                                      if trained_sizes else ""),
+         "columns": ["layers", "width", "first layer", "last layer",
+                     *(["first layer, trained", "last layer, trained"] if trained_sizes else [])],
+         "rows": [[layers, width, s["first"], s["last"],
+                   *([trained_sizes[layers, width]["first"], trained_sizes[layers, width]["last"]]
+                     if trained_sizes else [])] for (layers, width), s in sizes.items()]},
         {"title": f"MLP probe of absolute position ({scale['probe_task']}, trained NoPE)",
          "columns": ["features", "NRMSE", "Pearson R"],
          "rows": [[k, v["nrmse"], v["pearson_r"]] for k, v in mlp.items()]},
@@ -250,5 +282,7 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
                                  "embed": embed_scores, "trained_embed": trained_embed, "accuracy": accuracy,
                                  "bidirectional": bidirectional,
                                  "ablation": {f"std={s},mean={m}": v for (s, m), v in ablation.items()},
-                                 "sizes": {f"{layers}x{width}": s for (layers, width), s in sizes.items()}})
+                                 "sizes": {f"{layers}x{width}": s for (layers, width), s in sizes.items()},
+                                 "trained_sizes": {f"{layers}x{width}": s
+                                                   for (layers, width), s in trained_sizes.items()}})
 
