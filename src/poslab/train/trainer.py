@@ -50,9 +50,9 @@ from poslab.train.lock import LOCK_FILE, RunLock, RunLocked
 from poslab.train.monitor import METRICS_FILE, Monitor, truncate_metrics
 from poslab.train.optim import build_optimizer, build_scheduler
 from poslab.train.parallel import Parallel, unwrap
-from poslab.train.stopping import StopBetweenSteps
 from poslab.train.provenance import (DATA_FILE, TOKENIZER_DIR, check_same_tokenizer_on_every_rank, data_difference,
                                      hf_tokenizer, record_data, saved_data_version, tokenizer_difference)
+from poslab.train.stopping import StopBetweenSteps
 
 CONFIG_FILE = "config.yaml"
 # A fine-tune's starting weights (train.init_from): the checkpoint, its step and its weights' digest. The run's
