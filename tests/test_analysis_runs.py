@@ -323,12 +323,18 @@ def test_bad_input_errors(runs, tmp_path):
         analyze("adjacency", "--run", str(empty))
     _one_line(err.value)
     cases = [(("spectra", "--run", str(runs / "rope")), ConfigError, "absolute-position table"),
-             (("frequencies", "--run", str(runs / "learned"), "--sequences", "8"), ConfigError, "rotary frequencies"),
-             (("heads", "--run", str(runs / "rope"), "--sequences", "8"), ConfigError, "only 'content'"),
+             (("frequencies", "--run", str(runs / "learned"), "--sequences", "8"), ConfigError,
+              r"rotary frequencies \(rope, pope\)"),  # the schemes found in the registry, not a list kept by hand
+             (("heads", "--run", str(runs / "rope"), "--sequences", "8"), ConfigError,
+              r"only 'content' \(models with positional t5 or alibi add 'bias'"),
              (("probes", "--run", str(runs / "rope"), "--sequences", "2"), DataError, "too few sequences"),
              (("adjacncy", "--run", str(runs / "rope")), ConfigError, "did you mean 'adjacency'"),
              (("probes", "--run", str(runs / "rope"), "--targets", "sentence_index"), ConfigError, "offers: position"),
-             (("adjacency", "--run", str(runs / "rope"), "--sequences", "0"), ConfigError, "--sequences")]
+             (("adjacency", "--run", str(runs / "rope"), "--sequences", "0"), ConfigError, "--sequences"),
+             # asked for by name, a scaling that no run can take was dropped without a word
+             (("extrapolation", "--run", str(runs / "learned"), "--scalings", "yarn"), ConfigError,
+              r"^--scalings rescale the context of runs whose scheme has a context scaling \(rope\); none of these "
+              "runs has one")]
     for argv, kind, message in cases:
         with pytest.raises(kind, match=message) as err:
             analyze(*argv)

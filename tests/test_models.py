@@ -15,7 +15,7 @@ from poslab.models import DSTGConfig, ModelConfig
 from poslab.positional import SCHEMES
 
 ALL = sorted(SCHEMES)
-RELATIVE = ["rope", "pope", "t5", "alibi"]  # schemes whose logits depend only on s - t
+RELATIVE = sorted(name for name, scheme in SCHEMES.items() if scheme.relative)  # logits depend only on s - t
 FAST = settings(max_examples=8, deadline=None)
 
 
@@ -401,7 +401,7 @@ def test_causal_loss_shifts_the_labels_with_the_same_loss_and_gradient_as_shifti
     assert torch.equal(out.logits.grad, logits.grad)
 
 
-@pytest.mark.parametrize("scheme", ["alibi", "t5", "rope"])
+@pytest.mark.parametrize("scheme", ALL)
 def test_decoding_after_a_crop_or_without_held_positions_matches_the_full_forward(scheme):
     """Two ways the cached keys' positions are found: a cache cut back (``crop``, speculative decoding) keeps
     the positions of its first keys, and a cache that holds none (filled by other code) is taken to end just

@@ -28,6 +28,15 @@ def test_flops_are_the_standard_count(scheme, attention):
     assert flops == 6 * n * matmul + attention * layers * n * n * width
 
 
+def test_flops_of_a_scheme_that_reads_positions_are_counted():
+    """RoPE's dynamic scaling reads the longest position to stretch its base: on the meta device there is none,
+    and counting a model that uses it stopped the plan with 'Tensor.item() cannot be called on meta tensors'."""
+    config = {"arch": "decoder", "vocab_size": 30, "d_model": 32, "n_heads": 4, "n_layers": 2, "max_seq_len": 64,
+              "positional": {"name": "rope", "options": {"scaling": "dynamic", "factor": 2.0}}}
+    plain = {**config, "positional": {"name": "rope"}}
+    assert planning._count(json.dumps(config), 16) == planning._count(json.dumps(plain), 16)
+
+
 def test_plan_lists_each_training_once_with_its_progress(tmp_path):
     """Runs two recipes share are listed once; a finished run is done, an interrupted one shows its step."""
     from poslab.experiments import extrapolation, indirect_indexing

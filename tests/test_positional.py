@@ -185,10 +185,36 @@ def test_options_take_numbers_in_yamls_string_spelling():
         RoPEOptions(original_max_len="2048.5")
 
 
+def test_a_config_keeps_its_options_as_the_scheme_reads_them(tmp_path):
+    """`--set model.positional.options.base=1e3` was kept as the string '1e3' in the run's config and in the
+    checkpoint's config.json, which other readers then took for a string."""
+    import json
+
+    from poslab.models import build_model
+
+    assert PositionalConfig("rope", {"base": "1e3"}).to_dict() == {"name": "rope", "options": {"base": 1000.0}}
+    assert PositionalConfig("alibi", {}).to_dict() == {"name": "alibi", "options": {}}  # defaults stay unspelled
+    model = build_model({"arch": "decoder", "vocab_size": 11, "d_model": 16, "n_layers": 1, "n_heads": 2,
+                         "positional": {"name": "pope", "options": {"base": "1e3"}}})
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["poslab"]["positional"]["options"] == {"base": 1000.0}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_a_scheme_names_itself_once(name):
+    """The registry key, Scheme.name and Options.scheme (which the option errors print) are one name, and the
+    options go through options_dataclass, whose errors are one-line ConfigErrors."""
+    scheme = SCHEMES[name]
+    assert scheme.name == name == scheme.Options.scheme
+    with pytest.raises(ConfigError, match=f"positional scheme '{name}'"):
+        scheme.Options(no_such_option_anywhere=1)
+
+
 @pytest.mark.parametrize("name", sorted(SCHEMES))
 def test_scheme_capabilities_say_what_the_scheme_does(name):
-    """bias_only (what DSTG accepts as its relative term) and context_scaling (what extrapolation rescales)
-    are read by other modules instead of scheme names, so they must be true to the scheme."""
+    """bias_only (what DSTG accepts as its relative term), context_scaling (what extrapolation rescales) and
+    relative (what the shift-invariance tests cover) are read instead of scheme names, so they must be true to
+    the scheme."""
     scheme = SCHEMES[name]
     geometry = AttentionGeometry(n_layers=2, n_heads=2, head_dim=8, d_model=16, max_seq_len=16, causal=True)
     input_pos, layers = build_positional(PositionalConfig(name), geometry)
@@ -201,6 +227,18 @@ def test_scheme_capabilities_say_what_the_scheme_does(name):
     assert scheme.bias_only == touches_only_bias
     option_names = {f.name for f in dataclasses.fields(scheme.Options)}
     assert scheme.context_scaling == ({"scaling", "factor", "original_max_len"} <= option_names)
+    for module in (input_pos, *layers):
+        if module is not None:
+            module.init_weights(0.0, 0.5)  # a zero-initialised T5 table would be shift-invariant by accident
+
+    def scores(shift: int) -> list[torch.Tensor]:
+        at = pos + shift
+        q_at, k_at = layer.transform_qk(q, k, at, at) if layer is not None else (q, k)
+        bias = layer.logit_bias(at, at) if layer is not None else None
+        logits = q_at @ k_at.transpose(-1, -2) + (0 if bias is None else bias)
+        return [logits] + ([input_pos(torch.ones(1, 5, 16), at)] if input_pos is not None else [])
+
+    assert scheme.relative == all(torch.allclose(a, b, atol=1e-4) for a, b in zip(scores(0), scores(7)))
 
 
 def fp32_tables(model) -> dict[tuple[str, str], torch.Tensor]:

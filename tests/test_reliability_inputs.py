@@ -1,7 +1,7 @@
 """Hostile inputs through the real command line (``poslab.cli.main``, in-process): fuzzed run configs and
 argument lists, odd corpora for ``poslab data prepare``, every task's options at their limits.
 
-The contract (DESIGN.md): exit 0 with a complete run, or exit 2 with one ``poslab: error:`` line on stderr;
+The contract (README, "Bad input"): exit 0 with a complete run, or exit 2 with one ``poslab: error:`` line on stderr;
 never a traceback; never a half-written output directory. A run that starts training and then fails (it
 diverged) exits 2 and leaves a consistent, resumable directory: config.yaml and intact checkpoints only.
 

@@ -1,4 +1,4 @@
-"""Pure tensor functions, no state. The names below are a contract (DESIGN.md): other code and checks
+"""Pure tensor functions, no state. The names below are a contract: other code and checks
 call them, so their meaning does not change without a deprecation.
 
 Shapes: ``(batch, heads, n, d)`` for attention inputs, positions 0-based.

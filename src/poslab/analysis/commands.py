@@ -32,7 +32,7 @@ from poslab.analysis.similarity import cosine_self_similarity, sequence_adjacenc
 from poslab.analysis.spectra import pca, spectrum_summary
 from poslab.analysis.variance import variance_profile, variance_trend
 from poslab.errors import ConfigError, DataError
-from poslab.positional import InputPositional, get_scheme
+from poslab.positional import SCHEMES, AttentionGeometry, InputPositional, LayerPositional, get_scheme
 from poslab.train import evaluation as training_evaluation
 
 STREAMS = ["embed", "embed.*", "blocks.*.resid_post", "blocks.*.resid_post.*"]
@@ -321,7 +321,8 @@ def heads(run: Run, opts: Options) -> dict:
     names = list(next(iter(sums.values())))
     if len(names) < 2:
         raise ConfigError(f"heads compares additive logit terms, but this model has only '{names[0]}' "
-                          "(models with positional t5 or alibi add 'bias'; arch dstg has ap/sem/rp)")
+                          f"(models with positional {' or '.join(n for n, c in SCHEMES.items() if c.bias_only)} "
+                          "add 'bias'; arch dstg has ap/sem/rp)")
     layers = sorted(sums)
     shares = torch.stack([variance_shares(torch.stack([sums[i][t] for t in names])) for i in layers])  # (L, T, H)
     labels = [label_heads(shares[i], names, opts.threshold) for i in range(len(layers))]
@@ -357,8 +358,8 @@ def frequencies(run: Run, opts: Options) -> dict:
             totals[name] = totals.get(name, 0) + total
             counts[name] = counts.get(name, 0.0) + count
     if not totals:
-        raise ConfigError(f"frequencies needs a positional scheme with rotary frequencies (rope, pope); the model "
-                          f"of {run.dir} reports none")
+        raise ConfigError(f"frequencies needs a positional scheme with rotary frequencies "
+                          f"({', '.join(_frequency_schemes())}); the model of {run.dir} reports none")
     layers = sorted({layer_of(n) - 1 for n in totals})
     mean = {w: torch.stack([totals[f"blocks.{i}.attn.freq_norms.{w}"] / counts[f"blocks.{i}.attn.freq_norms.{w}"]
                             for i in layers]) for w in ("q", "k")}
@@ -389,6 +390,18 @@ def evaluate(run: Run, opts: Options) -> dict:
     return _finish(run, "evaluate", {"split": split, "metrics": metrics}, [])
 
 
+def _frequency_schemes() -> list[str]:
+    """The registered schemes whose layers report per-frequency q/k norms (LayerPositional.qk_frequency_norms)."""
+    geometry = AttentionGeometry(n_layers=1, n_heads=1, head_dim=8, d_model=8, max_seq_len=8, causal=True)
+    found = []
+    for name, scheme in SCHEMES.items():
+        _, layers = scheme.build(scheme.Options(), geometry)
+        if any(type(layer).qk_frequency_norms is not LayerPositional.qk_frequency_norms
+               for layer in layers if layer is not None):
+            found.append(name)
+    return found
+
+
 # ------------------------------------------------------------------------------------------ extrapolation
 
 def extrapolation(run: Run, opts: Options) -> dict:
@@ -400,6 +413,12 @@ def extrapolation(run: Run, opts: Options) -> dict:
     for r, resolved in zip(runs, dirs):
         if dirs.count(resolved) > 1:
             raise ConfigError(f"{r.dir} is given more than once; --run and --compare name each run once")
+    scaled = [r for r in runs if get_scheme(r.config.model.to_dict().get("positional", {}).get("name", "nope"))
+              .context_scaling]
+    if not scaled and opts.scalings and tuple(opts.scalings) != Options().scalings:  # asked for, would be dropped
+        able = ", ".join(name for name, scheme in SCHEMES.items() if scheme.context_scaling)
+        raise ConfigError(f"--scalings rescale the context of runs whose scheme has a context scaling ({able}); "
+                          "none of these runs has one: leave --scalings out")
     kinds = {(r.causal, r.config.data.kind) for r in runs}
     if len(kinds) > 1:  # a causal LM's next-token loss, a masked LM's and a task's answer loss are not comparable
         described = sorted(f"{'causal' if causal else 'bidirectional'} on {kind} data" for causal, kind in kinds)
@@ -421,7 +440,7 @@ def extrapolation(run: Run, opts: Options) -> dict:
             # An extrapolation that reaches no length past training measures nothing of what it is for
             raise DataError(f"{r.dir} could not be evaluated past its training length ({base}), so nothing was "
                             f"written; the first reason: {beyond[0]['error']}")
-        if get_scheme(r.config.model.to_dict().get("positional", {}).get("name", "nope")).context_scaling:
+        if r in scaled:
             for scaling in opts.scalings:
                 curves[scaling] = rope_scaled_lengths(evaluated, r.model, lengths, scaling, opts.sequences,
                                                       opts.batch_size)

@@ -1,6 +1,6 @@
 """Cosine self-similarity and the adjacency probability score (papers/adjacency.md).
 
-Definition we commit to (DESIGN.md). For a similarity matrix C (n, n), row k looks only at the
+Definition we commit to. For a similarity matrix C (n, n), row k looks only at the
 earlier positions 0..k-1 (the diagonal and later columns are ignored, as a causal model sees them):
 
     P_k = ( #{i < j < k : C_ki < C_kj} + 1/2 #{i < j < k : C_ki == C_kj} ) / C(k, 2)

@@ -76,6 +76,7 @@ class ALiBiBias(LayerPositional):
 
 class ALiBi(Scheme):
     name = "alibi"
+    relative = True
     Options = ALiBiOptions
     bias_only = True
 

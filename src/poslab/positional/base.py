@@ -1,6 +1,6 @@
 """How a positional scheme plugs into a Transformer.
 
-A scheme can touch attention at three points (DESIGN.md), and most use one:
+A scheme can touch attention at three points, and most use one:
 
 1. the input        -- ``InputPositional.forward(x, positions)`` adds to (or sits beside) the embeddings;
 2. queries and keys -- ``LayerPositional.transform_qk(q, k, q_pos, k_pos)`` rotates them (RoPE) or maps
@@ -13,12 +13,21 @@ modules a model needs: at most one input module, and one layer module per attent
 instance may be returned for every layer when parameters are shared). The attention module only calls
 these hooks; it never asks which scheme it holds.
 
-Adding a scheme: its file (a ``Scheme`` subclass with an ``Options`` dataclass and its modules), its import and
-one ``SCHEMES`` entry in ``positional/__init__.py``. The generic tests (tests/test_models.py, test_positional.py,
-test_gradients.py) parametrize over ``SCHEMES`` and pick it up. Two rules the models rely on: Hugging Face's
-``from_pretrained`` builds models on the meta device, so ``build``, ``__init__`` and ``init_weights`` must not
-read tensor values (``.item()``, ``float(t)``: compute from Python numbers); and fixed tables that are not
-saved (frequencies, slopes) are buffers computed again in ``init_weights``, named in ``fp32_tables``.
+Adding a scheme: its file (a ``Scheme`` subclass with an ``Options`` class and its modules), its import and
+one ``SCHEMES`` entry in ``positional/__init__.py``. ``Options`` is decorated with ``@options_dataclass``
+(positional/options.py: unknown keys and wrong types become one-line ConfigErrors) and names its scheme in
+``scheme = "<name>"``, the registry key and ``Scheme.name`` (tests/test_positional.py checks the three agree).
+The generic tests (tests/test_models.py, test_positional.py, test_gradients.py) parametrize over ``SCHEMES``
+and pick it up. Rules the models rely on:
+
+- Hugging Face's ``from_pretrained`` builds models on the meta device, and the reproduction's ``--plan``
+  counts FLOPs by running ``forward`` there: ``build``, ``__init__``, ``init_weights`` and the hooks must not
+  read tensor values (``.item()``, ``float(t)``: compute from Python numbers).
+- Fixed tables that are not saved (frequencies, slopes) are buffers computed again in ``init_weights``, named
+  in ``fp32_tables``.
+- With a KV cache (generation), keys are cached after ``transform_qk``: a cached key is never transformed
+  again, so its transform must depend on its own position only, and ``logit_bias`` sees the positions of every
+  cached key (``k_pos``, length m) against the new queries' (``q_pos``, length n).
 """
 from __future__ import annotations
 
@@ -46,8 +55,10 @@ class PositionalConfig:
         options = {} if self.options is None else self.options
         if not isinstance(options, dict):
             raise ConfigError(f"positional options must be a mapping of option names to values, got {options!r}")
-        self.options = dict(options)
-        get_scheme(self.name).Options(**self.options)  # raises ConfigError on bad options
+        parsed = get_scheme(self.name).Options(**options)  # raises ConfigError on bad options
+        # The values as the scheme reads them: YAML 1.1 gives `1e3` as a string, which config.json would keep
+        # as one (only the options given are kept, so a saved config does not spell out every default)
+        self.options = {key: getattr(parsed, key) for key in options}
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "options": dict(self.options)}
@@ -103,7 +114,8 @@ class LayerPositional(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q (batch, heads, n, d), k (batch, heads, m, d); q_pos (batch, n), k_pos (batch, m) long.
 
-        Returns q, k of the same shape, or of width 2d for PoPE's Cartesian form; values never change.
+        Returns q, k of the same shape, or of width 2d for PoPE's Cartesian form. Values (v) are not passed:
+        no scheme here changes them.
         """
         return q, k
 
@@ -134,6 +146,9 @@ class Scheme(abc.ABC):
     bias_only: ClassVar[bool] = False
     #: Its options take ``scaling``/``factor``/``original_max_len`` for evaluation past the training length.
     context_scaling: ClassVar[bool] = False
+    #: Attention logits depend on positions only through their differences: shifting every position changes
+    #: nothing (RoPE, PoPE, T5, ALiBi; NoPE trivially), where absolute schemes' do change.
+    relative: ClassVar[bool] = False
 
     @classmethod
     @abc.abstractmethod

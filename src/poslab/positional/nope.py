@@ -13,6 +13,7 @@ class NoPEOptions:
 
 class NoPE(Scheme):
     name = "nope"
+    relative = True  # trivially: no position at all
     Options = NoPEOptions
 
     @classmethod

@@ -123,6 +123,7 @@ def _is_range(pos: torch.Tensor) -> bool:
 
 class PoPE(Scheme):
     name = "pope"
+    relative = True
     Options = PoPEOptions
 
     @classmethod

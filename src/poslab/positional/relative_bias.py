@@ -91,6 +91,7 @@ class RelativeBias(LayerPositional):
 
 class T5RelativeBias(Scheme):
     name = "t5"
+    relative = True
     Options = T5Options
     bias_only = True
 

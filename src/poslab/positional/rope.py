@@ -142,7 +142,10 @@ class RotaryLayer(LayerPositional):
     def frequencies(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> tuple[torch.Tensor, float]:
         if self.opts.scaling != "dynamic":
             return self.inv_freq, self.attention_scaling
-        length = int(max(q_pos.max(), k_pos.max())) + 1
+        # The longest position seen stretches the base. A model on the meta device (the plan's FLOP count) has no
+        # positions to read; the frequencies' values do not matter there, so the count of positions stands in.
+        length = (max(q_pos.shape[-1], k_pos.shape[-1]) if q_pos.is_meta or k_pos.is_meta
+                  else int(max(q_pos.max(), k_pos.max())) + 1)
         inv_freq, scaling = rope_inv_freq(self.opts, self.rotary_dim, self.original_max_len, length)
         return inv_freq.to(self.inv_freq.device), scaling
 
@@ -172,6 +175,7 @@ class RotaryLayer(LayerPositional):
 
 class RoPE(Scheme):
     name = "rope"
+    relative = True
     Options = RoPEOptions
     context_scaling = True
 
