@@ -53,6 +53,8 @@ def test_scheme_logits_are_shift_invariant(scheme):
     q, k = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
 
     def logits(pos):
+        if layer is None:  # a scheme without layer hooks (NoPE)
+            return q @ k.transpose(-1, -2)
         q2, k2 = layer.transform_qk(q, k, pos, pos)
         bias = layer.logit_bias(pos, pos)
         return q2 @ k2.transpose(-1, -2) + (0 if bias is None else bias)
