@@ -813,3 +813,23 @@ def test_a_byte_level_cap_below_its_bytes_is_refused():
         TokenizerConfig(type="bpe", vocab_size=16)
     assert TokenizerConfig(type="bpe", vocab_size=261).vocab_size == 261
     assert TokenizerConfig(type="wordpiece", vocab_size=16).vocab_size == 16  # its alphabet comes from the text
+
+
+def test_a_full_disk_while_preparing_names_it(tmp_path, monkeypatch, capsys):
+    """numpy reports a short write as "26219 requested and 20416 written", which was the whole error line."""
+    import yaml
+
+    from poslab.cli import main
+    from poslab.data import preparation
+
+    def short(path, array):
+        raise OSError("26219 requested and 20416 written")
+
+    monkeypatch.setattr(preparation.np, "save", short)
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"source": SYNTH, "tokenizer": TOKENIZER, "validation_documents": 10}))
+    assert main(["data", "prepare", str(config), "--out", str(tmp_path / "out")]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]  # after the preparation's progress lines
+    assert re.fullmatch(r"poslab: error: writing stopped short \(26219 requested and 20416 written\), as on a full "
+                        r"disk: .*/train/00000\.tokens\.npy", last), last
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]

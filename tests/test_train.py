@@ -1422,3 +1422,23 @@ def test_the_memory_check_counts_a_whole_evaluation_batch(monkeypatch):
                                           r"copy and their log-softmax: 21\.5 GiB\) .* lower train.eval_batch_size "
                                           r"\(now null, so train.batch_size's 1,000\)$"):
         trainer._check_memory(RunConfig.from_dict(raw), process, 64)
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_leaves_no_half_checkpoint(tmp_path, monkeypatch, capsys):
+    """safetensors reports a full disk as its own SafetensorError: the run ended in a traceback and left
+    checkpoints/.best.tmp holding only config.json."""
+    real_save = torch.save
+
+    def full(obj, f, *args, **kwargs):
+        if "optimizer" in str(f):
+            raise RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "
+                               "\"No space left on device\" })")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt.torch, "save", full)
+    config = write_config(tmp_path / "c.yaml", tiny_config(steps=2))
+    assert poslab.cli.main(["train", str(config), "--out", str(tmp_path / "run")]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]  # after the training's progress lines
+    assert last.startswith("poslab: error: no space left on device for checkpoint best (the last intact one is "
+                           "kept: free space, then resume with --resume): ")
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == []

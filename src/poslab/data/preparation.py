@@ -24,6 +24,7 @@ the end; on any error the temporary directory is removed.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import itertools
 import json
@@ -169,10 +170,9 @@ class ShardWriter:
         if not self.n_tokens:
             return
         stem = self.directory / f"{len(self.shards):05d}"
-        np.save(f"{stem}.tokens.npy", np.concatenate(self.tokens))
-        np.save(f"{stem}.rows.npy", np.concatenate(self.rows))
-        np.save(f"{stem}.sentences.npy", np.concatenate(self.sentences))
-        np.save(f"{stem}.documents.npy", np.concatenate(self.documents))
+        for part, pieces in (("tokens", self.tokens), ("rows", self.rows), ("sentences", self.sentences),
+                             ("documents", self.documents)):
+            _save_array(f"{stem}.{part}.npy", np.concatenate(pieces))
         self.shards.append({"name": stem.name, "tokens": self.n_tokens, "sentences": self.n_sentences,
                             "documents": self.n_documents})
         self._reset()
@@ -415,3 +415,13 @@ def ensure_prepared(config: DataConfig, log: Callable[[str], None] = lambda mess
             if not (path / "manifest.json").is_file():
                 raise
     return path
+
+
+def _save_array(path: str, array: np.ndarray) -> None:
+    try:
+        np.save(path, array)
+    except OSError as err:
+        if err.errno is not None:
+            raise
+        # numpy's short write says only "N requested and M written", which is what a full disk gives
+        raise OSError(errno.ENOSPC, f"writing stopped short ({err}), as on a full disk", path) from None

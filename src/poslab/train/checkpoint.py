@@ -26,6 +26,7 @@ Test seam: ``crash_point`` lets crash tests kill the process at a named point (s
 from __future__ import annotations
 
 import contextlib
+import errno
 import fnmatch
 import hashlib
 import json
@@ -129,20 +130,29 @@ def save_checkpoint(
         os.rename(old, path / PREVIOUS if path.exists() else path)
     if tmp.exists():  # a previous save died while writing
         shutil.rmtree(tmp)
-    with _no_hf_progress_bar():  # a bar per save would bury the training log
-        model.save_pretrained(tmp, state_dict=model_state)
-    crash_point(f"save.{path.name}.model")
-    for name, obj in ((OPTIMIZER_FILE, optimizer_state), (SCHEDULER_FILE, scheduler_state), (RNG_FILE, rng_states)):
-        torch.save(obj, tmp / name)
-        crash_point(f"save.{path.name}.{name.removesuffix('.pt')}")
-    state = {**trainer_state, "format": FORMAT, "poslab_version": __version__, "model_type": model.config.model_type}
-    (tmp / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
-    crash_point(f"save.{path.name}.state")
-    write_manifest(tmp)
-    crash_point(f"save.{path.name}.manifest")
-    for file in tmp.iterdir():
-        _fsync(file)
-    _fsync(tmp)
+    try:
+        with _no_hf_progress_bar():  # a bar per save would bury the training log
+            model.save_pretrained(tmp, state_dict=model_state)
+        crash_point(f"save.{path.name}.model")
+        for name, obj in ((OPTIMIZER_FILE, optimizer_state), (SCHEDULER_FILE, scheduler_state),
+                          (RNG_FILE, rng_states)):
+            torch.save(obj, tmp / name)
+            crash_point(f"save.{path.name}.{name.removesuffix('.pt')}")
+        state = {**trainer_state, "format": FORMAT, "poslab_version": __version__,
+                 "model_type": model.config.model_type}
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+        crash_point(f"save.{path.name}.state")
+        write_manifest(tmp)
+        crash_point(f"save.{path.name}.manifest")
+        for file in tmp.iterdir():
+            _fsync(file)
+        _fsync(tmp)
+    except Exception as err:  # the checkpoints already there are intact; what this save wrote is worth nothing
+        shutil.rmtree(tmp, ignore_errors=True)
+        if _disk_full(err):  # safetensors and torch.save report it in their own exception types
+            raise OSError(errno.ENOSPC, f"no space left on device for checkpoint {path.name} (the last intact one "
+                                        "is kept: free space, then resume with --resume)", str(path)) from None
+        raise
     if path.exists():
         shutil.rmtree(path / PREVIOUS, ignore_errors=True)
         crash_point(f"save.{path.name}.dropped_previous")
@@ -155,6 +165,11 @@ def save_checkpoint(
         os.rename(old, path / PREVIOUS)
         _fsync(path)
         crash_point(f"save.{path.name}.tucked")
+
+
+def _disk_full(err: BaseException) -> bool:
+    return getattr(err, "errno", None) == errno.ENOSPC or any(
+        mark in str(err) for mark in ("No space left on device", "os error 28"))
 
 
 def write_manifest(path: Path) -> None:
