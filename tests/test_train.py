@@ -1356,6 +1356,35 @@ def test_a_second_ctrl_c_stops_at_once_and_sigterm_meanwhile_is_ignored():
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
 
 
+def test_two_ctrl_cs_in_one_long_step_stop_at_once():
+    """Python runs the handler once a long C++ call returns, by when two Ctrl-Cs have merged into one call: the
+    second was lost and the step finished anyway. The C-level handler's wakeup bytes (one per signal) count them.
+    Here the bytes are written as that handler writes them, and the merged call is made."""
+    import os
+    import signal
+
+    from poslab.train.stopping import StopBetweenSteps
+
+    outside = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(outside)
+    stop = StopBetweenSteps(announce=False)
+    with stop.armed():
+        wakeup = signal.set_wakeup_fd(-1)
+        signal.set_wakeup_fd(wakeup)
+        os.write(wakeup, bytes([signal.SIGINT, signal.SIGINT]))
+        with pytest.raises(KeyboardInterrupt):
+            stop._handle(signal.SIGINT, None)
+    again = StopBetweenSteps(announce=False)
+    with again.armed():
+        wakeup = signal.set_wakeup_fd(-1)
+        signal.set_wakeup_fd(wakeup)
+        os.write(wakeup, bytes([signal.SIGINT, signal.SIGTERM]))  # torchrun's SIGTERM right after a Ctrl-C
+        again._handle(signal.SIGINT, None)
+        again._handle(signal.SIGTERM, None)
+        assert again.requested == "SIGINT"
+    assert signal.set_wakeup_fd(outside) == outside  # restored
+
+
 def test_text_sequences_longer_than_the_model_name_both_settings(tmp_path):
     """A prepared corpus keeps no seq_len of its own, so a text run's data.seq_len defaults to 128 when the run
     config sets none: the refusal said only to raise model.max_seq_len."""

@@ -6,6 +6,10 @@ weights half-updated. A second Ctrl-C stops at once, as before, for a user who c
 a SIGTERM while stopping is ignored, because torchrun's agent answers the terminal's Ctrl-C by sending its
 workers SIGTERM milliseconds later (and SIGKILL when its grace period ends).
 
+Python runs a signal handler only between bytecodes, so during a long step (a big matmul) a second Ctrl-C
+merges into the first before the handler sees either; the signal wakeup fd, written by the C-level handler
+once per signal, counts them all.
+
 Only the CLI asks for this (``poslab train``, and the trainings ``poslab reproduce`` runs in its own
 process): a library caller, or a reproduction's worker process (which must stay deaf to SIGINT, see
 experiments/common.py), keeps Python's own handling.
@@ -13,6 +17,7 @@ experiments/common.py), keeps Python's own handling.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -26,27 +31,46 @@ class StopBetweenSteps:
     def __init__(self, announce: bool = True) -> None:
         self.requested: str | None = None
         self.announce = announce  # one line per job, not per torchrun process
+        self._wakeups: int | None = None  # the read end of the wakeup pipe: one byte (the signal number) a signal
 
     @contextlib.contextmanager
     def armed(self) -> Iterator[StopBetweenSteps]:
         if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
             yield self
             return
+        self._wakeups, write = os.pipe()
+        for fd in (self._wakeups, write):
+            os.set_blocking(fd, False)
+        previous_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
         previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             yield self
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+            signal.set_wakeup_fd(previous_fd)
+            os.close(write)
+            os.close(self._wakeups)
+            self._wakeups = None
 
     def _handle(self, signum: int, frame: object) -> None:
-        if self.requested is None:
+        interrupts = self._arrived().count(signal.SIGINT)  # Ctrl-Cs merged into this call
+        if self.requested is None and interrupts < 2:
             self.requested = signal.Signals(signum).name
             if self.announce:
                 print("poslab: stopping after the step under way and saving a checkpoint (Ctrl-C again to stop now, "
                       "losing the steps since the last checkpoint)", file=sys.stderr, flush=True)
-        elif signum == signal.SIGINT:
+        elif signum == signal.SIGINT or interrupts:
             raise KeyboardInterrupt
+
+    def _arrived(self) -> bytes:
+        """The signal numbers the C-level handler recorded since the last call."""
+        if self._wakeups is None:
+            return b""
+        try:
+            return os.read(self._wakeups, 4096)
+        except BlockingIOError:
+            return b""
 
 
 @contextlib.contextmanager
