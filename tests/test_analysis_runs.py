@@ -685,7 +685,8 @@ def test_evaluate_scores_a_split_as_the_training_evaluation_did(runs, capsys):
     assert analyze("evaluate", "--run", str(run), "--split", "test") == 0
     saved = json.loads((run / "analysis" / "evaluate.json").read_text())
     assert saved["split"] == "test" and saved["metrics"]["examples"] == 16 and saved["checkpoint"] == "checkpoints/best"
-    with pytest.raises(ConfigError, match=r"train.eval_split 'tset'.*test"):
+    with pytest.raises(ConfigError, match=r"^unknown --split 'tset'; did you mean 'test'\? \(valid: test, "
+                                          r"validation\)$"):
         analyze("evaluate", "--run", str(run), "--split", "tset")
 
 
@@ -702,3 +703,6 @@ def test_evaluate_reads_a_whole_text_split_and_gives_perplexity(lm_run):
     first_batch = int((evaluation.targets(next(source.eval_batches("validation", 4))["labels"], True) != -100).sum())
     assert result["metrics"]["tokens"] == labelled > first_batch
     assert result["metrics"]["perplexity"] == pytest.approx(math.exp(result["metrics"]["loss"]))
+    with pytest.raises(ConfigError, match=r"^unknown --split 'test' .*; a prepared corpus holds train and "
+                                          r"validation$"):
+        evaluate(run, Options(split="test"))

@@ -833,3 +833,34 @@ def test_a_full_disk_while_preparing_names_it(tmp_path, monkeypatch, capsys):
     assert re.fullmatch(r"poslab: error: writing stopped short \(26219 requested and 20416 written\), as on a full "
                         r"disk: .*/train/00000\.tokens\.npy", last), last
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]
+
+
+def test_a_prepared_path_that_does_not_exist_says_so(tmp_path, monkeypatch):
+    """It read as "not a prepared data directory (no manifest.json)", and a relative path gave no hint that it
+    is read from the current directory (not the run config's)."""
+    from poslab.data.preparation import ensure_prepared
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError, match=rf"^data.prepared data/my does not exist \(relative to the current "
+                                        rf"directory, {re.escape(str(tmp_path))}\); give the --out directory of "
+                                        r"'poslab data prepare'$"):
+        ensure_prepared(DataConfig.from_options({"prepared": "data/my"}))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=r"^empty is not a prepared data directory \(no manifest.json\)"):
+        ensure_prepared(DataConfig.from_options({"prepared": "empty"}))
+
+
+def test_prepare_says_which_settings_wait_for_training(tmp_path, capsys):
+    """seq_len in a data config was checked by `data prepare` and then dropped: training cut 128-token
+    sequences, and refused a model of max_seq_len 64, with no word of why."""
+    import yaml
+
+    from poslab.cli import main
+
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"source": {**SYNTH, "documents": 30}, "tokenizer": TOKENIZER,
+                                      "validation_documents": 5, "seq_len": 64}))
+    assert main(["data", "prepare", str(config), "--out", str(tmp_path / "out")]) == 0
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"note: seq_len is applied when training: set it in the run config's data section, beside prepared: "
+        f"{tmp_path / 'out'}")

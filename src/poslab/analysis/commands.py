@@ -377,11 +377,10 @@ def evaluate(run: Run, opts: Options) -> dict:
     """The run's metrics on a whole evaluation split (default: the one training evaluated on), computed as
     training computes them: loss and token accuracy, exact match for a decoder on a task, perplexity for a
     causal LM on text. Read-only: a test split is scored once, after training chose its checkpoints on another."""
-    split = opts.split or run.config.train.eval_split
+    source = run.source()
+    split = run.split(source, opts.split)
     train = dataclasses.replace(run.config.train, eval_split=split, eval_batches=None, eval_batch_size=opts.batch_size)
     config = dataclasses.replace(run.config, train=train)
-    source = run.source()
-    training_evaluation.check(config, source)  # an unknown split: the valid ones
     metrics = training_evaluation.evaluate(run.model, source, config, run.device, contextlib.nullcontext())
     if not (metrics.get("tokens") or metrics.get("examples")):
         raise DataError(f"the {split} split of {run.dir} holds no labelled token to score, so nothing was written")

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from poslab.analysis.capture import take_batches
-from poslab.errors import CheckpointError, DataError, require
+from poslab.errors import CheckpointError, ConfigError, DataError, require, unknown_key_message
 from poslab.models import build_model
 from poslab.train.config import RunConfig
 from poslab.train.provenance import tokenizer_difference
@@ -111,7 +111,18 @@ class Run:
         """The first ``sequences`` sequences of an evaluation split (default: the one training evaluated on),
         as the data is, not as training corrupts it: a masked LM's text without its [MASK]s and labels."""
         source = self.source()
-        return take_batches(source.sequence_batches(split or self.config.train.eval_split, batch_size), sequences)
+        return take_batches(source.sequence_batches(self.split(source, split), batch_size), sequences)
+
+    def split(self, source, name: str | None) -> str:
+        """``name`` (--split), or the split training evaluated on; ConfigError naming --split and the source's
+        splits for one it does not have (a prepared corpus has train and validation, a task test too)."""
+        if name is None:
+            return self.config.train.eval_split
+        if name not in source.splits:
+            raise ConfigError(unknown_key_message("--split", name, source.splits)
+                              + ("; a prepared corpus holds train and validation" if self.config.data.kind != "task"
+                                 else ""))
+        return name
 
 
 def _located(value: str, run_dir: Path, create: bool) -> str:

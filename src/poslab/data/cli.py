@@ -6,6 +6,7 @@ section is used (its ``kind`` is ignored: prepared data serves masked-LM and cau
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from poslab.arguments import output_argument, read_yaml
@@ -60,4 +61,14 @@ def run_prepare(args: argparse.Namespace) -> int:
               f"in {len(split['shards'])} shard(s)")
     print(f"vocabulary {manifest['tokenizer']['vocab_size']} ({manifest['tokenizer']['origin']}); "
           f"{manifest['tokens_per_second']:.0f} tokens/s; wrote {args.out}")
+    defaults = {f.name: f.default for f in dataclasses.fields(DataConfig)}
+    later = [name for name in TRAINING_FIELDS if getattr(config, name) != defaults[name]]
+    if later:  # the shards hold whole documents: these were read here only to be checked
+        one = len(later) == 1
+        print(f"note: {', '.join(later)} {'is' if one else 'are'} applied when training: set {'it' if one else 'them'} "
+              f"in the run config's data section, beside prepared: {args.out}", file=sys.stderr)
     return 0
+
+
+# Data settings a run applies to prepared shards as it reads them (cutting, packing, masking, labels).
+TRAINING_FIELDS = ("seq_len", "packing", "masking", "structure_labels")

@@ -401,6 +401,10 @@ def ensure_prepared(config: DataConfig, log: Callable[[str], None] = lambda mess
     only the validation split."""
     if config.prepared is not None:
         path = Path(config.prepared)
+        if not path.exists():  # a relative path is read from the current directory, not the run config's
+            where = f" (relative to the current directory, {Path.cwd()})" if not path.is_absolute() else ""
+            raise DataError(f"data.prepared {path} does not exist{where}; give the --out directory of "
+                            "'poslab data prepare'")
         if not (path / "manifest.json").is_file():
             raise DataError(f"{path} is not a prepared data directory (no manifest.json); run 'poslab data prepare'")
         return path
