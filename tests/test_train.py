@@ -733,6 +733,27 @@ def test_a_decoders_checkpoint_says_where_generation_stops(tmp_path):
     assert out.shape[1] == prompt["input_ids"].shape[1] + 1 and out[0, -1] == tok.sep_token_id
 
 
+def test_a_text_checkpoint_alone_serves_a_pipeline(tmp_path):
+    """pipeline("text-generation", model=CHECKPOINT) failed with transformers' "install sentencepiece or
+    tiktoken": the tokenizer was only in DIR/tokenizer. It is saved in each checkpoint too, naming the start and
+    end tokens its generation_config names, and the model's longest sequence; the checkpoint still verifies."""
+    from transformers import AutoTokenizer, pipeline
+
+    lm = tiny_lm_config(tmp_path / "cache")
+    train(RunConfig.from_dict(lm), tmp_path / "lm")
+    last = tmp_path / "lm" / "checkpoints" / "last"
+    ckpt.verify(last)
+    generate = pipeline("text-generation", model=str(last))
+    tok = generate.tokenizer
+    assert (tok.bos_token_id, tok.eos_token_id) == (generate.model.generation_config.bos_token_id,
+                                                    generate.model.generation_config.eos_token_id)
+    assert tok.model_max_length == lm["model"]["max_seq_len"]
+    out = generate("the quiet river", max_new_tokens=3, do_sample=False)[0]["generated_text"]
+    assert out.startswith("the quiet river")
+    assert AutoTokenizer.from_pretrained(last).get_vocab() == AutoTokenizer.from_pretrained(
+        tmp_path / "lm" / "tokenizer").get_vocab()
+
+
 def test_a_text_corpus_prepared_by_another_version_is_judged_by_its_tokenizer(tmp_path, monkeypatch):
     """A new tokenizer training prepares the run's corpus afresh under another key. Training on it is refused
     (its batches may differ); measuring is refused only where the tokenizer differs from the run's own

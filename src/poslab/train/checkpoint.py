@@ -118,10 +118,12 @@ def save_checkpoint(
     scheduler_state: dict[str, Any],
     rng_states: list[dict[str, Any]],
     trainer_state: dict[str, Any],
+    tokenizer: Any = None,
 ) -> None:
     """Write a checkpoint directory atomically (call on one rank). ``model`` is the Hugging Face model whose
     ``save_pretrained`` writes config and weights; ``model_state`` its full (unsharded) state dict.
-    ``trainer_state`` is stored with the checkpoint format, poslab version and model type added."""
+    ``trainer_state`` is stored with the checkpoint format, poslab version and model type added. A text run's
+    ``tokenizer`` is saved beside the model, so that the directory alone serves ``pipeline(model=...)``."""
     from poslab import __version__  # late: the package imports the training engine
 
     path = Path(path)
@@ -133,6 +135,8 @@ def save_checkpoint(
     try:
         with _no_hf_progress_bar():  # a bar per save would bury the training log
             model.save_pretrained(tmp, state_dict=model_state)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
         crash_point(f"save.{path.name}.model")
         for name, obj in ((OPTIMIZER_FILE, optimizer_state), (SCHEDULER_FILE, scheduler_state),
                           (RNG_FILE, rng_states)):

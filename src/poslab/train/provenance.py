@@ -33,14 +33,30 @@ TOKENIZER_DIR = "tokenizer"
 
 
 def record_data(out: Path, config: RunConfig, tokenizer: Any = None) -> None:
-    """Write DIR/data.json and, for a text run, DIR/tokenizer (kept when there: a resumed run checked it).
-    A run from before data.json that resumes records today's version: it is the data the run goes on with."""
+    """Write DIR/data.json and, for a text run, DIR/tokenizer (``run_tokenizer``; kept when there: a resumed
+    run checked it). A run from before data.json that resumes records today's version: it is the data the run
+    goes on with."""
     atomic_write_text(out / DATA_FILE, json.dumps(run_data_version(config), sort_keys=True))
     if tokenizer is not None and not (out / TOKENIZER_DIR).is_dir():
         tmp = out / f".{TOKENIZER_DIR}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        (prompting(tokenizer) if config.model.causal else tokenizer).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
         tmp.rename(out / TOKENIZER_DIR)
+
+
+def run_tokenizer(config: RunConfig, source: Any) -> Any:
+    """The tokenizer a text run saves beside its model (DIR/tokenizer and each checkpoint, so that a checkpoint
+    alone serves Hugging Face pipelines), or None for a task: a causal LM's frames a prompt as its data does
+    (``prompting``) and names the data's start and end tokens as bos and eos, as its generation_config does;
+    every one knows the model's longest sequence."""
+    tokenizer = hf_tokenizer(source)
+    if tokenizer is None:
+        return None
+    tokenizer = copy.deepcopy(prompting(tokenizer) if config.model.causal else tokenizer)
+    if config.model.causal and tokenizer.cls_token is not None and tokenizer.sep_token is not None:
+        tokenizer.bos_token, tokenizer.eos_token = tokenizer.cls_token, tokenizer.sep_token
+    tokenizer.model_max_length = config.model.max_seq_len
+    return tokenizer
 
 
 def prompting(tokenizer: Any) -> Any:

@@ -51,7 +51,7 @@ from poslab.train.monitor import METRICS_FILE, Monitor, truncate_metrics
 from poslab.train.optim import build_optimizer, build_scheduler
 from poslab.train.parallel import Parallel, unwrap
 from poslab.train.provenance import (DATA_FILE, TOKENIZER_DIR, check_same_tokenizer_on_every_rank, data_difference,
-                                     hf_tokenizer, record_data, saved_data_version, tokenizer_difference)
+                                     record_data, run_tokenizer, saved_data_version, tokenizer_difference)
 from poslab.train.stopping import StopBetweenSteps
 
 CONFIG_FILE = "config.yaml"
@@ -171,6 +171,7 @@ class Trainer:
         parallel.barrier()  # every rank has looked before rank 0 touches the directory
 
         self.source = config.data.build(config.seed)
+        self.tokenizer = run_tokenizer(config, self.source)  # saved with the run and each checkpoint
         check_same_tokenizer_on_every_rank(parallel, self.source)
         if resume and (difference := tokenizer_difference(self.out, self.source)) is not None:
             raise DataError(f"cannot resume: {difference}; the rest of the run would read tokens numbered otherwise "
@@ -232,7 +233,7 @@ class Trainer:
                 self.best = ckpt.load_resume_state(ckpt.resolve(self.out / CHECKPOINTS / "best",
                                                                self.notes.append))["best"]
         if parallel.is_main:
-            _init_out_dir(self.out, config, overwrite, hf_tokenizer(self.source), init, fresh=last is None)
+            _init_out_dir(self.out, config, overwrite, self.tokenizer, init, fresh=last is None)
             if resume:
                 truncate_metrics(self.out / METRICS_FILE, self.step)
             if changed:
@@ -473,7 +474,7 @@ class Trainer:
             ckpt.save_checkpoint(self.out / CHECKPOINTS / name, unwrap(self.model), model_state, optimizer_state,
                                  self.scheduler.state_dict(), rng_states,
                                  {"step": self.step, "best": self.best, "last_loss": self.last_loss,
-                                  "world_size": self.parallel.world_size})
+                                  "world_size": self.parallel.world_size}, self.tokenizer)
         self.parallel.barrier()
         return self.step
 
