@@ -680,7 +680,7 @@ def test_evaluate_scores_a_split_as_the_training_evaluation_did(runs, capsys):
     capsys.readouterr()
     assert analyze("evaluate", "--run", str(run), "--checkpoint", "last", "--batch-size", "5") == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == f"evaluate: wrote {run / 'analysis' / 'evaluate.json'}"
+    assert out[0] == f"evaluate: measured {run} (checkpoints/last, step 3); wrote {run / 'analysis' / 'evaluate.json'}"
     assert json.loads(out[1]) == pytest.approx(final, rel=1e-6)
     assert analyze("evaluate", "--run", str(run), "--split", "test") == 0
     saved = json.loads((run / "analysis" / "evaluate.json").read_text())

@@ -83,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     run_ = Run.load(args.run, args.checkpoint, device)
     result = ANALYSES[args.kind](run_, opts)
     figures = f" and {', '.join(result['figures'])}" if result["figures"] else ""
-    print(f"{args.kind}: wrote {run_.out_dir / (args.kind + '.json')}{figures}")
+    measured = f" ({result['checkpoint']}, step {result['step']})" if result.get("checkpoint") else ""
+    print(f"{args.kind}: measured {run_.dir}{measured}; wrote {run_.out_dir / (args.kind + '.json')}{figures}")
     if "metrics" in result:  # a handful of numbers (evaluate): on stdout too, for scripts
         print(json.dumps(result["metrics"]))
     failed = [rec["error"] for r in result.get("runs", {}).values() for curve in r.get("curves", {}).values()

@@ -459,7 +459,7 @@ def extrapolation(run: Run, opts: Options) -> dict:
                            "evaluation length / training length", "loss"),
                plots.lines(run.out_dir / "extrapolation_accuracy.png", acc,
                            f"Accuracy against evaluation length{named}",
-                           "evaluation length / training length", "accuracy (exact match for tasks)")]
+                           "evaluation length / training length", "accuracy (exact match for tasks)", ylim=(0, 1))]
     return _finish(run, "extrapolation", data, figures)
 
 

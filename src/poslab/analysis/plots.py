@@ -91,11 +91,14 @@ def _legend(ax, count: int) -> None:
 
 
 def lines(path: Path, series: dict[str, tuple[list, list]], title: str, xlabel: str, ylabel: str,
-          logx: bool = False, hline: float | None = None) -> Path:
-    """One line per named (x, y) series."""
+          logx: bool = False, hline: float | None = None, ylim: tuple[float, float] | None = None) -> Path:
+    """One line per named (x, y) series; ``ylim`` fixes the y range (a share: (0, 1), which a flat curve at 0
+    would otherwise stretch to +-0.04)."""
     fig, ax = _pyplot().subplots(figsize=(6.4, 4.2))
     _draw_lines(ax, series, logx, hline)
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    if ylim is not None:  # a little beyond the range, so that a line along its edge stays visible
+        ax.set_ylim(ylim[0] - 0.02 * (ylim[1] - ylim[0]), ylim[1] + 0.02 * (ylim[1] - ylim[0]))
     _legend(ax, len(series))
     return save_figure(fig, path)
 
