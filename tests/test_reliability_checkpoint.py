@@ -171,6 +171,29 @@ def test_a_damaged_best_checkpoint_falls_back_for_analysis(tmp_path, runs, relia
                        "explicitly is refused in one line")
 
 
+def test_analysis_reads_a_checkpoint_whose_resume_state_is_damaged(tmp_path, runs, reliability, capsys):
+    """Analysis needs the model alone: a checkpoint that lost optimizer.pt (or whose RNG state is damaged) was
+    refused as "incomplete"; a resume still refuses it and falls back to the previous copy."""
+    _, three, _ = runs
+    run = copy_of(three, tmp_path / "run")
+    best = run / "checkpoints" / "best"
+    (best / ckpt.OPTIMIZER_FILE).unlink()
+    corrupt(best / ckpt.RNG_FILE, "flip one byte", random.Random(4))
+    _, model = load_run(run, "best")
+    assert capsys.readouterr().err == ""
+    weights = load_file(best / "model.safetensors")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
+    with pytest.raises(CheckpointError, match=r"incomplete: optimizer.pt is missing"):
+        ckpt.verify(best)
+    corrupt(best / "model.safetensors", "flip one byte", random.Random(5))  # the model itself is still checked
+    load_run(run, "best")
+    warning = capsys.readouterr().err
+    assert "best is corrupt: model.safetensors does not match" in warning and "best/previous" in warning
+    reliability.record("checkpoint", "analysis (load_run) of a checkpoint whose optimizer state is missing and RNG "
+                       "state damaged", 2, "loads the intact weights without a word; damaged weights are still "
+                       "skipped, with a one-line warning, for the previous copy")
+
+
 def test_resume_after_a_torn_metrics_line(tmp_path, runs, reliability):
     """SIGKILL cannot tear a line (each record is one write), but a full disk or a power cut can."""
     config, three, _ = runs

@@ -183,9 +183,14 @@ def write_manifest(path: Path) -> None:
     (path / MANIFEST).write_text("".join(lines))
 
 
-def verify(path: Path) -> None:
+# What only a resume reads: a model is whole without them
+RESUME_FILES = frozenset({OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE})
+
+
+def verify(path: Path, skip: frozenset[str] = frozenset()) -> None:
     """Raise CheckpointError (one line: what is wrong with which file) unless every file of the checkpoint
-    at ``path`` is listed in its checksums and matches them."""
+    at ``path`` is listed in its checksums and matches them; files named in ``skip`` may be missing or
+    damaged (``RESUME_FILES``, for a reader of the model alone)."""
     path = Path(path)
     try:
         text = (path / MANIFEST).read_text()
@@ -199,6 +204,8 @@ def verify(path: Path) -> None:
             raise CheckpointError(f"{path} is corrupt: {MANIFEST} has a malformed line {line[:60]!r}")
         listed[name] = digest
     present = {f.name for f in path.iterdir() if f.is_file() and f.name != MANIFEST}
+    listed = {name: digest for name, digest in listed.items() if name not in skip}
+    present -= skip
     if missing := sorted(listed.keys() - present):
         raise CheckpointError(f"{path} is incomplete: {missing[0]} is missing")
     if unlisted := sorted(present - listed.keys()):
@@ -211,16 +218,17 @@ def verify(path: Path) -> None:
             raise CheckpointError(f"{path} is corrupt: {name} does not match its sha256 in {MANIFEST}")
 
 
-def resolve(path: Path, log: Callable[[str], None] | None = None) -> Path:
+def resolve(path: Path, log: Callable[[str], None] | None = None, model_only: bool = False) -> Path:
     """The newest intact checkpoint among ``path``, ``path/previous`` and an interrupted save's moved-aside
-    copy. When a newer one was skipped, ``log`` (default: stderr) gets one line saying why and what is used.
-    Raises CheckpointError when none is intact, or when the intact one is of another checkpoint format."""
+    copy (``model_only``: whose model is intact, the files only a resume reads aside). When a newer one was
+    skipped, ``log`` (default: stderr) gets one line saying why and what is used. Raises CheckpointError when
+    none is intact, or when the intact one is of another checkpoint format."""
     problems = []
     for candidate in candidates(path):
         if not candidate.is_dir():
             continue
         try:
-            verify(candidate)
+            verify(candidate, RESUME_FILES if model_only else frozenset())
         except CheckpointError as err:
             problems.append(str(err))
             continue

@@ -103,8 +103,8 @@ def load_run_checkpoint(out_dir: str | Path, which: str | None = None
     names = [which] if which else ["best", "last"]
     problems = []
     for name in names:
-        try:
-            path = ckpt.resolve(out_dir / CHECKPOINTS / name)
+        try:  # the model alone: a checkpoint that lost its optimizer state still holds the weights
+            path = ckpt.resolve(out_dir / CHECKPOINTS / name, model_only=True)
             break
         except CheckpointError as err:
             problems.append(str(err))
