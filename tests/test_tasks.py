@@ -516,7 +516,8 @@ def test_cli_show_refusals_name_the_option():
     for n in ("0", "100001", "100000000000000000000"):
         with pytest.raises(ConfigError, match=r"^-n must lie in \[1, 100,000\] \(samples to print\), got " + n):
             run_cli(["tasks", "show", "addition", "-n", n])
-    with pytest.raises(ConfigError, match=r"--set max_len: value '\[1' is not valid YAML"):
+    with pytest.raises(ConfigError, match=r"--set max_len: value '\[1' is not valid YAML; to give it as a string, "
+                                          r"quote it inside the argument: 'max_len=\"\[1\"'$"):
         run_cli(["tasks", "show", "addition", "--set", "max_len=[1"])
     with pytest.raises(ConfigError, match=r"count must lie in \[1, 100,000\]"):
         build_batch_source(0, "addition").examples("train", 10**20)

@@ -255,7 +255,8 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     try:
         value = load_yaml_text(text)
     except (yaml.YAMLError, ValueError):  # ValueError: a date 2001-13-01, an integer of 5000 digits
-        raise ConfigError(f"--set {key}: value '{cut(text)}' is not valid YAML") from None
+        raise ConfigError(f"--set {key}: value '{cut(text)}' is not valid YAML; to give it as a string, quote it "
+                          f"inside the argument: '{cut(key)}=\"{cut(text)}\"'") from None
     *parents, leaf = key.split(".")
     # A whole section set to null trained on its defaults without a word (model.rp=null, deeper, is a setting)
     require(parents or value is not None or leaf not in SECTIONS or not isinstance(raw.get(leaf), dict),
