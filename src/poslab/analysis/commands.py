@@ -246,8 +246,8 @@ def probes(run: Run, opts: Options) -> dict:
                                   "Pearson R (higher is better), NRMSE (lower)"))
     if class_series:
         figures.append(plots.lines(run.out_dir / "probes_classification.png", class_series,
-                                   f"Task-label classification probes ({run.name})", "layer (0 = embeddings)",
-                                   "accuracy"))
+                                   f"Probes of the next answer token (the task's labels; {run.name})",
+                                   "layer (0 = embeddings)", "classification accuracy", ylim=(0, 1)))
     return _finish(run, "probes", data, figures)
 
 

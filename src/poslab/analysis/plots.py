@@ -150,8 +150,9 @@ def matrices(path: Path, mats: dict[str, Any], title: str, vmin: float = -1.0, v
     for ax, (name, m) in zip(axes.flat, mats.items()):
         im = ax.imshow(m, cmap="magma", vmin=vmin, vmax=vmax, interpolation="nearest")
         ax.set_title(name, fontsize=8)
-        ax.set_xticks([])
-        ax.set_yticks([])
+        ax.tick_params(labelsize=6)
+        for axis in (ax.xaxis, ax.yaxis):  # positions: whole numbers, a few of them
+            axis.set_major_locator(_pyplot().MaxNLocator(5, integer=True))
     for ax in list(axes.flat)[k:]:
         ax.axis("off")
     fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8)
