@@ -28,10 +28,11 @@ def section(data: dict, out: str) -> str:
         "can flip between machines: indirect indexing's three-seed mean, the YaRN comparison, DSTG's PCA gap and "
         "head split (benchmarks/quick_search/FINDINGS.md, eleventh session). A one-unit change of DSTG's FFN width "
         "(a new draw of its weights) flipped two of its seed-0 verdicts, so its probe and head claims read all three "
-        "seeds it trains (twentieth session). This run is the first on an AMD EPYC machine: every trained value "
-        "moved from the previous session's run on another machine (the smoke recipes give the same values to the last "
-        "digit under the code of both runs), and DSTG's head split now holds (one semantic head among 24), a claim "
-        "that held in 1 of 6 trainings there (twenty-first session).",
+        "seeds it trains (twentieth session). The first run on this AMD EPYC machine moved every trained value from "
+        "the previous session's run on another machine (the smoke recipes give the same values to the last digit "
+        "under the code of both runs), and DSTG's head split now holds (one semantic head among 24), a claim that "
+        "held in 1 of 6 trainings there (twenty-first session). This run, on the twenty-second session's code, gives "
+        "all 33 values of the twenty-first session's run on this machine to the last digit.",
         "", *summary_table(data), ""])
 
 
