@@ -690,6 +690,31 @@ def test_evaluate_scores_a_split_as_the_training_evaluation_did(runs, capsys):
         analyze("evaluate", "--run", str(run), "--split", "tset")
 
 
+def test_evaluate_runs_in_the_precision_training_evaluated_in(tmp_path):
+    """A run trained in bf16 (the default on CUDA) was evaluated in fp32: its numbers differed from the
+    training's record. On this CPU bf16 autocast stands in for the GPU's."""
+    raw = config("rope")
+    raw["train"] |= {"precision": "bf16"}
+    train(RunConfig.from_dict(raw), tmp_path / "bf16")
+    final = [json.loads(line) for line in (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()
+             if "eval_loss" in line][-1]
+    assert analyze("evaluate", "--run", str(tmp_path / "bf16"), "--checkpoint", "last") == 0
+    measured = json.loads((tmp_path / "bf16" / "analysis" / "evaluate.json").read_text())["metrics"]
+    assert measured["loss"] == pytest.approx(final["eval_loss"], rel=1e-6)
+    fp32 = {**raw, "train": {**raw["train"], "precision": "fp32"}}
+    assert measured["loss"] != pytest.approx(evaluate_loss_in(fp32, tmp_path / "bf16"), rel=1e-6)
+
+
+def evaluate_loss_in(raw: dict, run_dir: Path) -> float:
+    """The run's evaluation loss under another config's precision (the weights of its last checkpoint)."""
+    from poslab.train import evaluation
+
+    run = Run.load(run_dir, "last")
+    cfg = RunConfig.from_dict(raw)
+    return evaluation.evaluate(run.model, run.source(), cfg, run.device,
+                               evaluation.autocast(run.device, cfg.train.precision))["loss"]
+
+
 def test_evaluate_reads_a_whole_text_split_and_gives_perplexity(lm_run):
     """Training evaluated its first train.eval_batches (1 here); evaluate reads every sequence of the split."""
     from poslab.analysis.commands import Options, evaluate

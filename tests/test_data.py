@@ -864,3 +864,16 @@ def test_prepare_says_which_settings_wait_for_training(tmp_path, capsys):
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"note: seq_len is applied when training: set it in the run config's data section, beside prepared: "
         f"{tmp_path / 'out'}")
+
+
+def test_prepare_reads_a_run_configs_data_section_from_its_file(tmp_path):
+    """A run config whose data section names a file was read as a data config ("unknown data key 'seed'")."""
+    import yaml
+
+    from poslab.data.cli import load_data_config
+
+    (tmp_path / "data.yaml").write_text(yaml.safe_dump({"kind": "mlm", "source": SYNTH, "tokenizer": TOKENIZER,
+                                                        "validation_documents": 7}))
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({"seed": 0, "data": "data.yaml", "train": {"steps": 1}}))
+    config = load_data_config(str(tmp_path / "run.yaml"), ["data.validation_documents=9"])
+    assert config.validation_documents == 9 and config.source == SYNTH

@@ -592,10 +592,11 @@ def test_paper_scale_trainings_are_valid_configs(name, tmp_path):
     module = importlib.import_module(runner.RECIPES[name][0].split(":")[0])
     trainings = module.runs("paper", tmp_path / name)
     assert trainings
-    for config, out in trainings.values():
+    for key, (config, out) in trainings.items():
         cfg = RunConfig.from_dict({**config, "model": {**config["model"], "vocab_size": 1000}})
+        sized = name == "adjacency" and all(isinstance(k, int) for k in key)  # (layers, width): 6 x 192 is 2.7M
         with torch.device("meta"):
-            assert build_model(cfg.model).num_parameters() > 2_000_000  # adjacency's smallest size: 6 x 192
+            assert build_model(cfg.model).num_parameters() > (2_000_000 if sized else 10_000_000), out
         data = dict(config["data"])
         if data.pop("kind") in ("lm", "mlm"):
             assert DataConfig.from_options(data).source["type"] == "hf"  # a corpus by name, streamed

@@ -7,7 +7,6 @@ frequencies without rotary frequencies, heads with a single logit term) raises C
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -381,7 +380,8 @@ def evaluate(run: Run, opts: Options) -> dict:
     split = run.split(source, opts.split)
     train = dataclasses.replace(run.config.train, eval_split=split, eval_batches=None, eval_batch_size=opts.batch_size)
     config = dataclasses.replace(run.config, train=train)
-    metrics = training_evaluation.evaluate(run.model, source, config, run.device, contextlib.nullcontext())
+    autocast = training_evaluation.autocast(run.device, config.train.precision)  # bf16 where training used it
+    metrics = training_evaluation.evaluate(run.model, source, config, run.device, autocast)
     if not (metrics.get("tokens") or metrics.get("examples")):
         raise DataError(f"the {split} split of {run.dir} holds no labelled token to score, so nothing was written")
     if run.causal and config.data.kind == "lm":

@@ -8,12 +8,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from pathlib import Path
 
 from poslab.arguments import output_argument, read_yaml
 from poslab.data.config import DataConfig
 from poslab.data.preparation import prepare
 from poslab.errors import ConfigError
-from poslab.train.config import apply_override
+from poslab.train.config import apply_override, section_file
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -36,6 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def load_data_config(path: str, overrides: list[str]) -> DataConfig:
     raw = read_yaml(path)
+    if isinstance(raw, dict) and isinstance(raw.get("data"), str):  # a run config whose data section is a file
+        raw = {**raw, "data": section_file(raw["data"], "data", Path(path).parent)}
     run_config = isinstance(raw, dict) and isinstance(raw.get("data"), dict)
     if run_config:
         raw = raw["data"]

@@ -115,8 +115,9 @@ def _canonical_ids(tok: Tokenizer) -> Tokenizer:
     return Tokenizer.from_str(json.dumps(data))
 
 
-# A Hugging Face hub repository id: "name" or "owner/name" (what a local path rarely is: it has no ./ or /x/y)
-HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
+# A Hugging Face hub repository id: "name" or "owner/name", neither part starting with a dot (./tok, ../tok and
+# .. are local paths). "data/tok" is both: tried as a hub id only when no such local path exists.
+HUB_ID = re.compile(r"\w[\w.-]*(/\w[\w.-]*)?")
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

@@ -152,8 +152,9 @@ def save_checkpoint(
             _fsync(file)
         _fsync(tmp)
     except Exception as err:  # the checkpoints already there are intact; what this save wrote is worth nothing
+        full = _disk_full(err, tmp.parent)  # measured before the partial copy goes and frees its space
         shutil.rmtree(tmp, ignore_errors=True)
-        if _disk_full(err):  # safetensors and torch.save report it in their own exception types
+        if full:
             raise OSError(errno.ENOSPC, f"no space left on device for checkpoint {path.name} (the last intact one "
                                         "is kept: free space, then resume with --resume)", str(path)) from None
         raise
@@ -171,9 +172,16 @@ def save_checkpoint(
         crash_point(f"save.{path.name}.tucked")
 
 
-def _disk_full(err: BaseException) -> bool:
-    return getattr(err, "errno", None) == errno.ENOSPC or any(
-        mark in str(err) for mark in ("No space left on device", "os error 28"))
+def _disk_full(err: BaseException, directory: Path) -> bool:
+    """Whether a failed write met a full disk. safetensors says so in its own error type; torch.save only says
+    "unexpected pos 576 vs 534" (a short write), so the free space decides."""
+    text = str(err)
+    if getattr(err, "errno", None) == errno.ENOSPC or "No space left on device" in text or "os error 28" in text:
+        return True
+    try:
+        return shutil.disk_usage(directory).free < 1 << 20
+    except OSError:
+        return False
 
 
 def write_manifest(path: Path) -> None:

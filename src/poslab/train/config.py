@@ -204,7 +204,7 @@ class RunConfig:
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     """Read a YAML run config, apply ``key.path=value`` overrides, validate. A section given as a string
-    names a YAML file that holds it (see ``_section_file``); overrides then change that file's values."""
+    names a YAML file that holds it (see ``section_file``); overrides then change that file's values."""
     raw = read_yaml(path)
     require(raw not in (None, {}) or bool(overrides), f"{path} is empty: a run config holds seed, model, data and "
                                                       "train (examples: src/poslab/configs/tasks/*.yaml)")
@@ -213,7 +213,7 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     _read_section_files(raw, Path(path).parent)
     for item in overrides:
         apply_override(raw, item)
-    _read_section_files(raw, Path.cwd())  # `--set model=paper/dstg` names a file from the command line
+        _read_section_files(raw, Path.cwd())  # `--set model=paper/dstg` names a file, which later --sets change
     return RunConfig.from_dict(raw)
 
 
@@ -224,10 +224,10 @@ SECTIONS = ("model", "data", "train")
 def _read_section_files(raw: dict[str, Any], folder: Path) -> None:
     for section in SECTIONS:
         if isinstance(raw.get(section), str):
-            raw[section] = _section_file(raw[section], section, folder)
+            raw[section] = section_file(raw[section], section, folder)
 
 
-def _section_file(name: str, section: str, folder: Path) -> dict[str, Any]:
+def section_file(name: str, section: str, folder: Path) -> dict[str, Any]:
     """The mapping in the YAML file ``name``: relative to ``folder`` (the run config's), then to the current
     directory. A model section may also name a ready config as SCALE/NAME (``paper/dstg``:
     configs/models/paper/dstg.yaml in the package), so that a run config can share one model file."""

@@ -28,6 +28,13 @@ METRICS = ("loss", "token_accuracy")
 ANSWER_METRICS = (*METRICS, "exact_match")
 
 
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    """The context training runs its forwards in: bf16 autocast for train.precision bf16 (auto: on CUDA),
+    else none. Evaluations outside training take it too, to give training's numbers."""
+    chosen = {"auto": "bf16" if device.type == "cuda" else "fp32"}.get(precision, precision)
+    return torch.autocast(device.type, dtype=torch.bfloat16) if chosen == "bf16" else contextlib.nullcontext()
+
+
 def _scores_answers(config: RunConfig) -> bool:
     """Whether evaluation scores whole answers (a causal model on a task) rather than labelled tokens."""
     return config.data.kind == "task" and config.model.causal

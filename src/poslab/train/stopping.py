@@ -2,9 +2,10 @@
 
 Without this an interrupt lost every step since the last periodic checkpoint (up to train.checkpoint_every
 of them, which at paper scale is GPU-hours), and stopping in the middle of an optimizer step can leave the
-weights half-updated. A second Ctrl-C stops at once, as before, for a user who cannot wait for the step;
-a SIGTERM while stopping is ignored, because torchrun's agent answers the terminal's Ctrl-C by sending its
-workers SIGTERM milliseconds later (and SIGKILL when its grace period ends).
+weights half-updated. A second Ctrl-C stops at once, for a user who cannot wait for the step; a SIGTERM
+never does (a scheduler's or a user's repeated SIGTERM would cut short the save it waits for; its SIGKILL
+after a grace period is the hard stop). torchrun's agent passes the signal it gets on to its workers and
+kills them after ``--shutdown-timeout`` (30 s by default): give a run whose step and save take longer more.
 
 Python runs a signal handler only between bytecodes, so during a long step (a big matmul) a second Ctrl-C
 merges into the first before the handler sees either; the signal wakeup fd, written by the C-level handler
@@ -26,12 +27,13 @@ from collections.abc import Iterator
 
 class StopBetweenSteps:
     """Within ``armed()``, the first SIGINT or SIGTERM sets ``requested`` (the signal's name) instead of raising;
-    the loop reads it after each step."""
+    the loop reads it after each step. A Ctrl-C after that, or two at once, raises KeyboardInterrupt."""
 
     def __init__(self, announce: bool = True) -> None:
         self.requested: str | None = None
         self.announce = announce  # one line per job, not per torchrun process
         self._wakeups: int | None = None  # the read end of the wakeup pipe: one byte (the signal number) a signal
+        self._interrupts = self._interrupt_bytes = 0  # SIGINT handler calls; SIGINT bytes read from the pipe
 
     @contextlib.contextmanager
     def armed(self) -> Iterator[StopBetweenSteps]:
@@ -54,14 +56,18 @@ class StopBetweenSteps:
             self._wakeups = None
 
     def _handle(self, signum: int, frame: object) -> None:
-        interrupts = self._arrived().count(signal.SIGINT)  # Ctrl-Cs merged into this call
-        if self.requested is None and interrupts < 2:
+        # Ctrl-Cs so far: handler calls undercount merged ones, bytes lag when the C-level handler ran on another
+        # thread and has not written its byte yet; neither overcounts
+        self._interrupt_bytes += self._arrived().count(signal.SIGINT)
+        self._interrupts += signum == signal.SIGINT
+        again = self.requested is not None or max(self._interrupts, self._interrupt_bytes) >= 2
+        if signum == signal.SIGINT and again:
+            raise KeyboardInterrupt
+        if self.requested is None:
             self.requested = signal.Signals(signum).name
             if self.announce:
                 print("poslab: stopping after the step under way and saving a checkpoint (Ctrl-C again to stop now, "
                       "losing the steps since the last checkpoint)", file=sys.stderr, flush=True)
-        elif signum == signal.SIGINT or interrupts:
-            raise KeyboardInterrupt
 
     def _arrived(self) -> bytes:
         """The signal numbers the C-level handler recorded since the last call."""

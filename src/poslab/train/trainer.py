@@ -210,9 +210,7 @@ class Trainer:
             model.generation_config.update(**self.source.generation_ids)
         _seed_everything(config.seed + parallel.rank)  # independent dropout masks per rank
         model.to(self.device)
-        precision = {"auto": "bf16" if self.device.type == "cuda" else "fp32"}.get(cfg.precision, cfg.precision)
-        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if precision == "bf16"
-                         else contextlib.nullcontext())
+        self.autocast = evaluation.autocast(self.device, cfg.precision)
         self._preflight(model, batch)
         if cfg.compile:
             model.compile()
@@ -351,7 +349,7 @@ class Trainer:
 
     def _stop_requested(self, stop: StopBetweenSteps) -> bool:
         """Whether any rank was asked to stop: they all stop after the same step, since the save is collective
-        (a signal from a terminal reaches every rank, but not necessarily within one step)."""
+        (a signal sent to every rank, as torchrun's agent sends it on, need not reach them within one step)."""
         asked = torch.tensor(float(stop.requested is not None))
         return bool(self.parallel.sum(asked) > 0) if self.parallel.distributed else bool(asked)
 
@@ -504,7 +502,7 @@ def _check_memory(config: RunConfig, parallel: Parallel, width: int) -> None:
     device = parallel.device
     total = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
              else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    if need > total and evaluation > max(weights, batch):
+    if need > total and 3 * weights + buffers + max(weights, batch) <= total:  # only the evaluation does not fit
         now = config.train.eval_batch_size or f"null, so train.batch_size's {config.train.batch_size:,}"
         raise ConfigError(f"an evaluation batch of {eval_rows:,} sequences of {width} tokens (ids; logits, a float "
                           f"copy and their log-softmax: {evaluation / 2**30:,.1f} GiB) beside the model's {count:,} "
