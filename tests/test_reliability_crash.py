@@ -206,6 +206,7 @@ def test_an_interrupt_saves_the_step_it_stopped_after(tmp_path, reliability):
         out, log = tmp_path / f"run{i}", tmp_path / f"run{i}.log"
         assert run([str(config), "--out", str(out)], log, crash_at=point) == 130, log.read_text()
         assert assert_not_torn(out) == saved, point
+        assert f"poslab: {point.split(':')[1]}: stopping after the step under way" in log.read_text(), point
         assert log.read_text().splitlines()[-1] == (f"poslab: interrupted; the run in {out} resumes from its "
                                                     f"checkpoint at step {saved} with --resume"), point
         assert run([str(config), "--out", str(out), "--resume"], tmp_path / f"final{i}.log") == 0

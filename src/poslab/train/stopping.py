@@ -66,8 +66,8 @@ class StopBetweenSteps:
         if self.requested is None:
             self.requested = signal.Signals(signum).name
             if self.announce:
-                print("poslab: stopping after the step under way and saving a checkpoint (Ctrl-C again to stop now, "
-                      "losing the steps since the last checkpoint)", file=sys.stderr, flush=True)
+                print(f"poslab: {self.requested}: stopping after the step under way and saving a checkpoint (a Ctrl-C "
+                      "now stops at once, losing the steps since the last checkpoint)", file=sys.stderr, flush=True)
 
     def _arrived(self) -> bytes:
         """The signal numbers the C-level handler recorded since the last call."""
