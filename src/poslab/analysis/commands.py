@@ -412,9 +412,9 @@ def extrapolation(run: Run, opts: Options) -> dict:
     for r, resolved in zip(runs, dirs):
         if dirs.count(resolved) > 1:
             raise ConfigError(f"{r.dir} is given more than once; --run and --compare name each run once")
-    scaled = [r for r in runs if get_scheme(r.config.model.to_dict().get("positional", {}).get("name", "nope"))
-              .context_scaling]
-    if not scaled and opts.scalings and tuple(opts.scalings) != Options().scalings:  # asked for, would be dropped
+    scaled = {r.dir: get_scheme(r.config.model.to_dict().get("positional", {}).get("name", "nope")).context_scaling
+              for r in runs}  # by directory, which the check above made unique
+    if not any(scaled.values()) and opts.scalings and tuple(opts.scalings) != Options().scalings:  # asked for, would be dropped
         able = ", ".join(name for name, scheme in SCHEMES.items() if scheme.context_scaling)
         raise ConfigError(f"--scalings rescale the context of runs whose scheme has a context scaling ({able}); "
                           "none of these runs has one: leave --scalings out")
@@ -439,7 +439,7 @@ def extrapolation(run: Run, opts: Options) -> dict:
             # An extrapolation that reaches no length past training measures nothing of what it is for
             raise DataError(f"{r.dir} could not be evaluated past its training length ({base}), so nothing was "
                             f"written; the first reason: {beyond[0]['error']}")
-        if r in scaled:
+        if scaled[r.dir]:
             for scaling in opts.scalings:
                 curves[scaling] = rope_scaled_lengths(evaluated, r.model, lengths, scaling, opts.sequences,
                                                       opts.batch_size)
