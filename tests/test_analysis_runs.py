@@ -161,6 +161,7 @@ def test_spectra_heads_frequencies_where_they_apply(runs):
     assert analyze("frequencies", "--run", str(runs / "rope"), "--sequences", "16") == 0
     freq = json.loads((runs / "rope" / "analysis" / "frequencies.json").read_text())
     assert len(freq["q"]) == 2 and len(freq["q"][0]) == 8  # 2 layers x head_dim / 2 rotary chunks
+    assert freq["layers"] == [1, 2]  # numbered as the heatmap's rows and the other analyses' depths
 
 
 def test_extrapolation_several_runs_with_rope_scalings(runs, capsys):

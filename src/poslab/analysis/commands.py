@@ -362,7 +362,8 @@ def frequencies(run: Run, opts: Options) -> dict:
     layers = sorted({layer_of(n) - 1 for n in totals})
     mean = {w: torch.stack([totals[f"blocks.{i}.attn.freq_norms.{w}"] / counts[f"blocks.{i}.attn.freq_norms.{w}"]
                             for i in layers]) for w in ("q", "k")}
-    data = {"run": str(run.dir), "layers": layers, "q": mean["q"].tolist(), "k": mean["k"].tolist(),
+    # "layers" counts blocks from 1, as the figures and the other analyses' depths (poslab.analysis.runs.layer_of) do
+    data = {"run": str(run.dir), "layers": [i + 1 for i in layers], "q": mean["q"].tolist(), "k": mean["k"].tolist(),
             "summary": usage_summary(mean["q"], mean["k"])}
     figures = [plots.heatmap(run.out_dir / f"frequencies_{w}.png", mean[w].tolist(),
                              f"mean {w} norm per frequency ({run.name})", "frequency index (fastest first)",
