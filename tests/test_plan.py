@@ -156,7 +156,7 @@ def test_every_paper_scale_training_fits_8_gpus_of_80_gib(tmp_path, monkeypatch)
 
     from poslab.experiments.runner import RECIPES
     from poslab.train import RunConfig
-    from poslab.train import trainer
+    from poslab.train import memory
 
     gpu = types.SimpleNamespace(total_memory=80 * 2**30)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: gpu)
@@ -166,6 +166,6 @@ def test_every_paper_scale_training_fits_8_gpus_of_80_gib(tmp_path, monkeypatch)
         for config, _ in importlib.import_module(where.split(":")[0]).runs("paper", tmp_path / name).values():
             vocab, sequence = planning.data_shape(config["data"], config.get("seed", 0))
             cfg = RunConfig.from_dict({**config, "model": {**config["model"], "vocab_size": vocab}})
-            trainer._check_memory(cfg, parallel, sequence)
+            memory.check_memory(cfg, parallel, sequence)
             checked += 1
     assert checked >= 60

@@ -26,6 +26,7 @@ from poslab.models import ARCHS, build_model
 import poslab.train
 from poslab.train import RunConfig, TrainConfig, TrainingDiverged, load_config, load_run, train
 from poslab.train import checkpoint as ckpt
+from poslab.train import memory
 from poslab.train import trainer as trainer_module
 from poslab.train.cli import register
 from poslab.train.evaluation import evaluate, metrics
@@ -859,7 +860,7 @@ def test_the_memory_check_counts_the_model_from_two_layers(model):
     with torch.device("meta"):
         built = build_model(config)
     params = list(built.parameters())
-    assert trainer_module.model_sizes(config) == (
+    assert memory.model_sizes(config) == (
         sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params),
         sum(b.numel() * b.element_size() for b in built.buffers()))
 
@@ -1445,7 +1446,6 @@ def test_the_memory_check_counts_what_the_loss_keeps_of_the_logits(monkeypatch):
     message: the loss keeps their log-softmax for backward, and backward makes their gradient."""
     import types
 
-    from poslab.train import trainer
 
     raw = tiny_config(batch_size=1000)
     raw["model"]["vocab_size"] = 30000
@@ -1453,12 +1453,12 @@ def test_the_memory_check_counts_what_the_loss_keeps_of_the_logits(monkeypatch):
     logits = 4 * 1000 * 64 * 30000
     process = types.SimpleNamespace(world_size=1, device=torch.device("cpu"))
     pages = {"SC_PAGE_SIZE": 4096}
-    monkeypatch.setattr(trainer.os, "sysconf", lambda name: pages.get(name, int(2.5 * logits) // 4096))
+    monkeypatch.setattr(memory.os, "sysconf", lambda name: pages.get(name, int(2.5 * logits) // 4096))
     with pytest.raises(ConfigError, match=r"sequences of 64 tokens \(ids; logits, their log-softmax and gradient: "
                                           r"21\.5 GiB\) need at least .* lower train.batch_size"):
-        trainer._check_memory(config, process, 64)
-    monkeypatch.setattr(trainer.os, "sysconf", lambda name: pages.get(name, 4 * logits // 4096))
-    trainer._check_memory(config, process, 64)
+        memory.check_memory(config, process, 64)
+    monkeypatch.setattr(memory.os, "sysconf", lambda name: pages.get(name, 4 * logits // 4096))
+    memory.check_memory(config, process, 64)
 
 
 def test_the_memory_check_counts_a_whole_evaluation_batch(monkeypatch):
@@ -1467,19 +1467,18 @@ def test_the_memory_check_counts_a_whole_evaluation_batch(monkeypatch):
     logits take 147 GiB or more, and the run would have died at its final evaluation, before saving its last steps."""
     import types
 
-    from poslab.train import trainer
 
     raw = tiny_config(batch_size=1000, grad_accum=8)
     raw["model"]["vocab_size"] = 30000
     logits = 4 * 1000 * 64 * 30000
     process = types.SimpleNamespace(world_size=1, device=torch.device("cpu"))
     pages = {"SC_PAGE_SIZE": 4096}
-    monkeypatch.setattr(trainer.os, "sysconf", lambda name: pages.get(name, int(2.5 * logits) // 4096))
-    trainer._check_memory(RunConfig.from_dict(raw | {"train": {**raw["train"], "eval_batch_size": 100}}), process, 64)
+    monkeypatch.setattr(memory.os, "sysconf", lambda name: pages.get(name, int(2.5 * logits) // 4096))
+    memory.check_memory(RunConfig.from_dict(raw | {"train": {**raw["train"], "eval_batch_size": 100}}), process, 64)
     with pytest.raises(ConfigError, match=r"^an evaluation batch of 1,000 sequences of 64 tokens \(ids; logits, a float "
                                           r"copy and their log-softmax: 21\.5 GiB\) .* lower train.eval_batch_size "
                                           r"\(now null, so train.batch_size's 1,000\)$"):
-        trainer._check_memory(RunConfig.from_dict(raw), process, 64)
+        memory.check_memory(RunConfig.from_dict(raw), process, 64)
 
 
 def test_a_full_disk_during_a_save_is_one_line_and_leaves_no_half_checkpoint(tmp_path, monkeypatch, capsys):

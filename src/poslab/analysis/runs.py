@@ -18,7 +18,7 @@ from poslab.models import build_model
 from poslab.train.config import RunConfig
 from poslab.train.provenance import tokenizer_difference
 from poslab.train.checkpoint import load_trainer_state
-from poslab.train.trainer import load_run_checkpoint
+from poslab.train.rundir import load_run_checkpoint
 
 ANALYSIS_DIR = "analysis"
 DEVICES = ("auto", "cpu", "cuda")  # reproduce --analysis-device; analysis_device takes cuda:N and mps too

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from poslab.train import RunConfig, train
 from poslab.train.checkpoint import first_difference, saved_step, weights_spec
 from poslab.train.provenance import data_difference
-from poslab.train.trainer import init_difference, load_saved_config
+from poslab.train.rundir import init_difference, load_saved_config
 from poslab.errors import PoslabError
 
 FINAL = "final.json"

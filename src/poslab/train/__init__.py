@@ -6,7 +6,8 @@
 from __future__ import annotations
 
 from poslab.train.config import DataConfig, RunConfig, TrainConfig, apply_override, load_config
-from poslab.train.trainer import TrainingDiverged, load_run, train
+from poslab.train.rundir import load_run
+from poslab.train.trainer import TrainingDiverged, train
 
 __all__ = ["DataConfig", "RunConfig", "TrainConfig", "TrainingDiverged", "apply_override", "load_config",
            "load_run", "train"]

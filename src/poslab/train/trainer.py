@@ -5,6 +5,7 @@
     DIR/tokenizer/           a text run's tokenizer (AutoTokenizer-loadable) } see provenance.py
     DIR/init.json            a fine-tune's starting weights (train.init_from): checkpoint, step, digest
     DIR/metrics.jsonl        training and evaluation records (see monitor.py)
+    DIR/resumes.jsonl        the train settings each resume changed
     DIR/checkpoints/last     written every train.checkpoint_every steps and at the end
     DIR/checkpoints/best     written whenever the evaluation metric train.best_metric improves
                              (each with checksums and the copy it replaced, see checkpoint.py)
@@ -21,17 +22,14 @@ A run killed at any point (tests/test_reliability_crash.py kills it mid-step, mi
 stage of a checkpoint save) resumes with ``--resume`` to the same final weights and metrics: from the newest
 intact checkpoint, or from step 0 when it died before its first one. Under ``poslab train`` Ctrl-C and
 SIGTERM stop after the step under way and save it (stopping.py). One process at a time owns a run
-directory (``DIR/.lock``, see lock.py).
+directory (``DIR/.lock``, see lock.py); rundir.py checks that a resume continues the same run.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
-import os
 import random
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -40,30 +38,21 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_optimizer_state_dict
 
-from poslab.errors import CheckpointError, ConfigError, DataError, InputError, PoslabError, require
-from poslab.files import atomic_write_text
+from poslab.errors import CheckpointError, DataError, InputError, PoslabError, require
 from poslab.models import build_model
 from poslab.train import checkpoint as ckpt
 from poslab.train import evaluation
-from poslab.train.config import RunConfig, load_config
-from poslab.train.lock import LOCK_FILE, RunLock, RunLocked
+from poslab.train.config import RunConfig
+from poslab.train.lock import RunLock, RunLocked
 from poslab.train.monitor import METRICS_FILE, Monitor, truncate_metrics
 from poslab.train.optim import build_optimizer, build_scheduler
 from poslab.train.parallel import Parallel, unwrap
-from poslab.train.provenance import (DATA_FILE, TOKENIZER_DIR, check_same_tokenizer_on_every_rank, data_difference,
-                                     record_data, run_tokenizer, saved_data_version, tokenizer_difference)
+from poslab.train.memory import check_memory
+from poslab.train.provenance import check_same_tokenizer_on_every_rank, run_tokenizer, tokenizer_difference
+from poslab.train.rundir import (CHECKPOINTS, RESUMES_FILE, changed_train_settings, check_out_dir, checkpoint_exists,
+                                 init_out_dir, init_point, load_saved_config)
 from poslab.train.stopping import StopBetweenSteps
 
-CONFIG_FILE = "config.yaml"
-# A fine-tune's starting weights (train.init_from): the checkpoint, its step and its weights' digest. The run's
-# config names the start by path only, and the run there can be trained again into other weights.
-INIT_FILE = "init.json"
-# Train settings a resume changed (config.yaml then holds the new ones): one record per such resume, with its step.
-RESUMES_FILE = "resumes.jsonl"
-# What a run killed before writing config.yaml leaves (data.json, init.json and the tokenizer go just before it).
-OWN_TRANSIENTS = {LOCK_FILE, f".{CONFIG_FILE}.tmp", DATA_FILE, f".{DATA_FILE}.tmp", INIT_FILE, f".{INIT_FILE}.tmp",
-                  TOKENIZER_DIR, f".{TOKENIZER_DIR}.tmp"}
-CHECKPOINTS = "checkpoints"
 MODEL_INPUTS = ("input_ids", "attention_mask", "labels")  # other per-token labels are for probes, not the loss
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -87,46 +76,6 @@ def train(config: RunConfig, out_dir: str | Path, resume: bool = False, overwrit
     finally:
         parallel.close()
 
-
-def load_run(out_dir: str | Path, which: str | None = None) -> tuple[RunConfig, torch.nn.Module]:
-    """(config, model in eval mode) of a run directory; ``which`` is 'best' or 'last' (default: best if any)."""
-    return load_run_checkpoint(out_dir, which)[:2]
-
-
-def load_run_checkpoint(out_dir: str | Path, which: str | None = None
-                        ) -> tuple[RunConfig, torch.nn.Module, Path]:
-    """``load_run`` and the checkpoint directory it loaded (an intact copy where the named one is damaged)."""
-    out_dir = Path(out_dir)
-    if not (out_dir / CONFIG_FILE).is_file():
-        raise CheckpointError(f"{out_dir} is not a run directory (no {CONFIG_FILE})")
-    config = load_saved_config(out_dir)
-    names = [which] if which else ["best", "last"]
-    problems = []
-    for name in names:
-        try:  # the model alone: a checkpoint that lost its optimizer state still holds the weights
-            path = ckpt.resolve(out_dir / CHECKPOINTS / name, model_only=True)
-            break
-        except CheckpointError as err:
-            problems.append(str(err))
-    else:
-        raise CheckpointError("; ".join(problems))
-    if problems and _exists(out_dir / CHECKPOINTS / names[0]):
-        ckpt.warn(f"{problems[0]}; using {path}")
-    model = build_model(config.model)
-    ckpt.load_weights(model, path)
-    return config, model.eval(), path
-
-
-def load_saved_config(run: Path) -> RunConfig:
-    """The config.yaml of run directory ``run``. A key it refuses (from another poslab version, an edit) would
-    read as an error in the config the user passed, so the message names this file first (errors in reading
-    it name it already)."""
-    path = run / CONFIG_FILE
-    try:
-        return load_config(path)
-    except ConfigError as err:
-        message = str(err)
-        raise ConfigError(message if str(path) in message else f"{path}: {message}") from None
 
 
 class Trainer:
@@ -166,8 +115,8 @@ class Trainer:
     def _open(self, resume: bool, overwrite: bool) -> None:
         """Everything is checked and built before the run directory is written (rank 0 writes)."""
         config, cfg, parallel, world = self.config, self.cfg, self.parallel, self.parallel.world_size
-        _check_out_dir(self.out, config, resume, overwrite)
-        changed = _changed_train_settings(load_saved_config(self.out), config) if resume else {}
+        check_out_dir(self.out, config, resume, overwrite)
+        changed = changed_train_settings(load_saved_config(self.out), config) if resume else {}
         parallel.barrier()  # every rank has looked before rank 0 touches the directory
 
         self.source = config.data.build(config.seed)
@@ -188,7 +137,7 @@ class Trainer:
                 f"is {config.model.max_seq_len}; raise model.max_seq_len{shorter}")
         # Before the first batch is drawn: a task source draws a batch of 1e11 problems for hours before memory
         # runs out. Sized by the widest batch, which a later step can draw.
-        _check_memory(config, parallel, self.source.max_train_len)
+        check_memory(config, parallel, self.source.max_train_len)
         batch = self.source.train_batch(0, cfg.batch_size, parallel.rank, world)
         _seed_everything(config.seed)  # the same initial weights on every rank
         model = build_model(config.model)
@@ -201,7 +150,7 @@ class Trainer:
                     f"({state['step']}); set train.steps to {state['step']} or more")
             ckpt.load_weights(model, last)
         elif cfg.init_from is not None:
-            start = _init_point(Path(cfg.init_from))
+            start = init_point(Path(cfg.init_from))
             ckpt.load_weights(model, start, same_config=False)
             step = ckpt.load_trainer_state(start)["step"]
             init = {"checkpoint": str(start), "step": step, "weights_sha256": ckpt.weights_digest(start)}
@@ -226,12 +175,12 @@ class Trainer:
                 ckpt.set_rng_state(rng_states[parallel.rank], self.device)
             self.step, self.best, self.last_loss = state["step"], state["best"], state["last_loss"]
         self.scheduler = build_scheduler(self.optimizer, cfg, done)
-        if resume and _exists(self.out / CHECKPOINTS / "best"):  # best may be newer than last: trust its record
+        if resume and checkpoint_exists(self.out / CHECKPOINTS / "best"):  # best may be newer than last: trust its record
             with contextlib.suppress(CheckpointError):
                 self.best = ckpt.load_resume_state(ckpt.resolve(self.out / CHECKPOINTS / "best",
                                                                self.notes.append))["best"]
         if parallel.is_main:
-            _init_out_dir(self.out, config, overwrite, self.tokenizer, init, fresh=last is None)
+            init_out_dir(self.out, config, overwrite, self.tokenizer, init, fresh=last is None)
             if resume:
                 truncate_metrics(self.out / METRICS_FILE, self.step)
             if changed:
@@ -276,7 +225,7 @@ class Trainer:
         from poslab import __version__
 
         last = self.out / CHECKPOINTS / "last"
-        if not _exists(last):
+        if not checkpoint_exists(last):
             self.notes.append(f"{self.out} has no checkpoint yet (the run stopped before its first one): "
                               "starting from step 0")
             return None
@@ -478,65 +427,6 @@ class Trainer:
 
 
 
-def _check_memory(config: RunConfig, parallel: Parallel, width: int) -> None:
-    """Refuse a run whose weights, gradients, AdamW moments and one batch alone exceed the device's memory:
-    building it would fail with an allocator error, or swap the machine to a halt. Counted before anything is
-    built; ``width`` is the number of tokens in one sequence of the batch."""
-    count, weights, buffers = model_sizes(config.model)
-    weights /= parallel.world_size if config.train.fsdp else 1
-    rows = config.train.batch_size // parallel.world_size
-    batch = 3 * 8 * rows * width  # int64 input_ids, labels and attention_mask of this process's share
-    # Every process evaluates whole batches of train.eval_batch_size (default: the global batch, undivided by
-    # processes or accumulation): at paper scale their logits alone outgrew a GPU, after the whole training
-    eval_rows = config.train.eval_batch_size or config.train.batch_size
-    evaluation = 3 * 8 * eval_rows * width
-    if not config.model.sparse_prediction:
-        # float32 logits of one micro-batch, the log-softmax the loss keeps for backward, and their gradient: a
-        # batch whose logits alone fit (7.7 of 23 GiB) was killed by the kernel, with no message, in its first step
-        batch += 3 * 4 * (rows // config.train.grad_accum) * width * config.model.vocab_size
-        evaluation += 3 * 4 * eval_rows * width * config.model.vocab_size  # logits, their float copy, log-softmax
-    # Weights and AdamW moments live throughout; the gradients of a step, the batch's activations and an
-    # evaluation's peak at different times, so only the largest counts.
-    need = 3 * weights + buffers + max(weights, batch, evaluation)
-    state = 4 * weights + buffers
-    device = parallel.device
-    total = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
-             else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    if need > total and 3 * weights + buffers + max(weights, batch) <= total:  # only the evaluation does not fit
-        now = config.train.eval_batch_size or f"null, so train.batch_size's {config.train.batch_size:,}"
-        raise ConfigError(f"an evaluation batch of {eval_rows:,} sequences of {width} tokens (ids; logits, a float "
-                          f"copy and their log-softmax: {evaluation / 2**30:,.1f} GiB) beside the model's {count:,} "
-                          f"parameters and AdamW moments needs at least {need / 2**30:,.1f} GiB per process, more "
-                          f"than the {total / 2**30:,.1f} GiB of {device}; lower train.eval_batch_size (now {now})")
-    require(need <= total, f"the model's {count:,} parameters (weights, gradients, AdamW moments: {state / 2**30:,.1f} "
-                           f"GiB) and a batch of {rows:,} sequences of {width} tokens (ids; logits, their log-softmax and "
-                           f"gradient: "
-                           f"{batch / 2**30:,.1f} GiB) need at least {need / 2**30:,.1f} GiB per process, more than "
-                           f"the {total / 2**30:,.1f} GiB of {device}; "
-                           + ("lower model.d_model, model.n_layers, model.vocab_size or model.max_seq_len"
-                              if state >= batch else "lower train.batch_size (or raise train.grad_accum)"))
-
-
-def model_sizes(model_config: Any) -> tuple[int, int, int]:
-    """(parameter count, parameter bytes, buffer bytes) of the model ``model_config`` builds, from copies of
-    one and two layers on the meta device: every layer is alike, and building them all, even there, takes
-    hours for 1e8 layers."""
-    sizes = []
-    for layers in (1, 2):
-        try:
-            with torch.device("meta"):
-                model = build_model(dataclasses.replace(model_config, n_layers=layers))
-        except (RuntimeError, TypeError) as err:  # sizes past int64 fail even on the meta device
-            if "overflow" not in str(err).lower():
-                raise
-            raise ConfigError(f"the model is too large to build ({str(err).splitlines()[0]}); lower "
-                              "model.d_model, model.n_layers, model.vocab_size or model.max_seq_len") from None
-        params = list(model.parameters())
-        sizes.append((sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params),
-                      sum(b.numel() * b.element_size() for b in model.buffers())))
-    one, two = sizes
-    return tuple(a + (model_config.n_layers - 1) * (b - a) for a, b in zip(one, two))
-
 
 def _load_moments(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     """AdamW's moments and step counts from a checkpoint, under this config's hyperparameters: loading a state
@@ -546,131 +436,6 @@ def _load_moments(model: torch.nn.Module, optimizer: torch.optim.Optimizer, stat
               for own, saved in zip(optimizer.param_groups, state["param_groups"], strict=True)]
     set_optimizer_state_dict(model, optimizer, {**state, "param_groups": groups}, options=FULL_STATE)
 
-
-def _init_point(path: Path) -> Path:
-    """The checkpoint ``train.init_from`` names: itself, or the last checkpoint of a run directory, which must
-    have finished (a run still training has a mid-run checkpoint that would be taken for its result)."""
-    run = path if (path / CONFIG_FILE).is_file() else None
-    if run is not None:
-        path = run / CHECKPOINTS / "last"
-    if not _exists(path):
-        raise CheckpointError(f"train.init_from: {path} does not exist; name a checkpoint directory or a run "
-                              "directory written by `poslab train`")
-    path = ckpt.resolve(path)
-    if run is not None:
-        steps, step = load_saved_config(run).train.steps, ckpt.load_trainer_state(path)["step"]
-        if step != steps:
-            raise CheckpointError(f"train.init_from: {run} stopped at step {step} of {steps}; finish it with "
-                                  f"--resume, or name its checkpoint directory ({path}) to start from that step")
-    return path
-
-
-def init_difference(run: Path, config: RunConfig) -> str | None:
-    """How the weights ``config``'s train.init_from names now differ from those the run in ``run`` started from
-    (its init.json), or None: also when it does not fine-tune, or when the start is not there or not finished
-    (nothing to compare yet: it is trained before the fine-tune is)."""
-    if config.train.init_from is None:
-        return None
-    try:
-        saved = json.loads((run / INIT_FILE).read_text())["weights_sha256"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"initial weights unknown: no readable {INIT_FILE}, as in runs from before poslab recorded it"
-    try:
-        start = _init_point(Path(config.train.init_from))
-        now = ckpt.weights_digest(start)
-    except CheckpointError:
-        return None
-    # In first_difference's words, so that a refusal reads like one for any other setting.
-    return None if now == saved else f"the weights of train.init_from {start} (sha256 {saved[:12]} there, {now[:12]} now)"
-
-
-def _check_out_dir(out: Path, config: RunConfig, resume: bool, overwrite: bool) -> None:
-    """Refuse to clobber, and check that a resumed run is the same run (read-only, on every rank)."""
-    if resume:
-        if not (out / CONFIG_FILE).is_file():
-            raise CheckpointError(f"no checkpoint to resume in {out}: it is not a poslab run directory "
-                                  f"(no {CONFIG_FILE})")
-        saved = load_saved_config(out)
-        _check_same_run(saved, config)
-        _check_same_start(out, saved, config)
-        if saved_data_version(out) is not None and (difference := data_difference(out, config)) is not None:
-            raise ConfigError(f"cannot resume: {difference}; this poslab makes other batches than the run started "
-                              "on, so train it again with --overwrite")
-    elif any(path.name not in OWN_TRANSIENTS for path in _children(out)):
-        require(overwrite, f"output directory {out} is not empty; pass --resume to continue the run in it "
-                           "or --overwrite to replace it")
-        require((out / CONFIG_FILE).is_file(),
-                f"--overwrite refuses to delete {out}: it is not a poslab run directory (no {CONFIG_FILE})")
-
-
-def _init_out_dir(out: Path, config: RunConfig, overwrite: bool, tokenizer: Any = None,
-                  init: dict[str, Any] | None = None, fresh: bool = True) -> None:
-    """Called once everything is built, so a config error leaves no directory behind (rank 0 only).
-    config.yaml goes first: a run killed later is a run directory that --resume recognises."""
-    if overwrite:
-        for path in _children(out):
-            if path.name == LOCK_FILE:  # the lock stays held (and in place) while the old run goes
-                continue
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
-    out.mkdir(parents=True, exist_ok=True)
-    record_data(out, config, tokenizer)
-    if init is not None:
-        atomic_write_text(out / INIT_FILE, json.dumps(init, sort_keys=True))
-    elif fresh:  # left by a fine-tune killed before its config.yaml: this run starts from other weights
-        (out / INIT_FILE).unlink(missing_ok=True)
-    atomic_write_text(out / CONFIG_FILE, config.to_yaml())
-    (out / CHECKPOINTS).mkdir(exist_ok=True)
-
-
-def _children(directory: Path) -> list[Path]:
-    return list(directory.iterdir()) if directory.is_dir() else []
-
-
-def _exists(checkpoint: Path) -> bool:
-    """Whether any copy of a checkpoint (intact or not) is on disk: the run got as far as saving it."""
-    return any(path.exists() for path in ckpt.candidates(checkpoint))
-
-
-def _check_same_run(saved: RunConfig, new: RunConfig) -> None:
-    """A resumed run may change train settings (e.g. more steps) but not the seed, model (forward-only
-    settings aside), data or batch size."""
-    old, cur = saved.to_dict(), new.to_dict()
-    old["model"], cur["model"] = ckpt.weights_spec(old["model"]), ckpt.weights_spec(cur["model"])
-    for section in ("seed", "model", "data"):
-        key = ckpt.first_difference(old[section], cur[section], section)
-        if key is not None:
-            raise ConfigError(f"cannot resume: {key} differs from the run's config.yaml; resume with that config "
-                              "(only train settings may change)")
-    # Step s reads sequences s * batch_size onwards of the data order: another size would skip or repeat data.
-    require(saved.train.batch_size == new.train.batch_size,
-            f"cannot resume with train.batch_size {new.train.batch_size}: the run read its data in batches of "
-            f"{saved.train.batch_size}, and another size would skip or repeat part of it; keep it, or start a new "
-            "run from its weights with --set train.init_from=RUN/checkpoints/last")
-
-
-def _changed_train_settings(saved: RunConfig, new: RunConfig) -> dict[str, list[Any]]:
-    """``{"train.key": [saved value, new value]}`` for each train setting a resume changes."""
-    old, cur = saved.to_dict()["train"], new.to_dict()["train"]
-    return {f"train.{key}": [old.get(key), cur.get(key)] for key in sorted(old.keys() | cur.keys())
-            if old.get(key) != cur.get(key)}
-
-
-def _check_same_start(out: Path, saved: RunConfig, new: RunConfig) -> None:
-    """A resume continues from its checkpoint, never from init_from: a start named or dropped now would stand in
-    config.yaml for weights that did not start there. Another path may name the same start (an --out moved):
-    then the weights decide (init.json)."""
-    start, now = saved.train.init_from, new.train.init_from
-    require((start is None) == (now is None), f"cannot resume with train.init_from {now!r}: the run started from "
-            f"{start!r}, and a resume continues from its own checkpoint; keep it, or start a new run with "
-            "--set train.init_from=...")
-    if now is None or Path(now).resolve() == Path(start).resolve() or not (out / INIT_FILE).is_file():
-        return
-    if (difference := init_difference(out, new)) is not None:
-        raise ConfigError(f"cannot resume with another train.init_from: {difference} are not the weights the run "
-                          "started from; keep its train.init_from, or start a new run")
 
 
 def _seed_everything(seed: int) -> None:
