@@ -433,6 +433,42 @@ def test_a_tokenizer_named_as_on_the_hugging_face_hub(tmp_path, monkeypatch):
         load_tokenizer("tests/no-such-bert")
 
 
+def test_a_hub_tokenizer_is_read_from_the_cache_first_and_hub_retries_stay_quiet(tmp_path, monkeypatch, caplog):
+    """Offline without HF_HUB_OFFLINE the hub's client retried a minute, a warning line per retry, before falling
+    back to its cache; "data/tok" where ./data exists is a mistyped local path, and is never looked up."""
+    import logging
+
+    import transformers
+
+    real, calls = transformers.AutoTokenizer.from_pretrained, []
+
+    def spy(name, **kwargs):
+        calls.append((name, kwargs.get("local_files_only", False)))
+        if name == "cached/bert":
+            return real(str(tmp_path / "bert"))
+        if not kwargs.get("local_files_only"):
+            logging.getLogger("huggingface_hub.utils._http").warning("Retrying in 1s [Retry 1/5].")
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files.")
+
+    (tmp_path / "bert").mkdir()
+    (tmp_path / "bert" / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "to"]))
+    (tmp_path / "bert" / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizer"}))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", spy)
+    monkeypatch.chdir(tmp_path)
+    assert load_tokenizer("cached/bert").get_vocab_size() == 6 and calls == [("cached/bert", True)]
+    (tmp_path / "data").mkdir()
+    calls.clear()
+    with pytest.raises(DataError, match=r"^no tokenizer at data/tok: expected a directory"):
+        load_tokenizer("data/tok")
+    assert calls == []
+    level = logging.getLogger("huggingface_hub").level
+    with caplog.at_level(logging.WARNING), pytest.raises(DataError, match=r"'no/such': no local directory, and from "
+                                                                         r"the Hugging Face hub: We couldn't connect"):
+        load_tokenizer("no/such")
+    assert calls == [("no/such", True), ("no/such", False)] and not caplog.records
+    assert logging.getLogger("huggingface_hub").level == level  # as it was
+
+
 def test_local_tokenizer_truncation_and_padding_are_ignored(prepared, tmp_path):
     """A tokenizer.json may be saved with truncation and padding on (sentence-transformers models ship
     them): applied to whole documents, they cut each to max_length tokens and wrote [PAD]s into the stream."""

@@ -11,7 +11,9 @@ vocabulary lacks a needed token is rejected with the role and token named.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -124,8 +126,9 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     """A local tokenizer directory (or tokenizer.json file): tokenizers' own format first, else whatever
     transformers' AutoTokenizer reads, as long as it is a fast (Rust-backed) tokenizer. A name that is no local
     path but a hub id (``bert-base-uncased``, as the DSTG paper's) is loaded from the Hugging Face hub, as
-    datasets are by name: downloaded once into its cache. Truncation and padding saved with it are turned off:
-    the pipeline encodes whole documents and cuts sequences itself."""
+    datasets are by name: downloaded once into its cache, and read from there afterwards without asking the hub
+    (offline, the hub's client retried for a minute before falling back to its cache). Truncation and padding
+    saved with it are turned off: the pipeline encodes whole documents and cuts sequences itself."""
     tok = _load_tokenizer(Path(path), str(path))
     tok.no_truncation()
     tok.no_padding()
@@ -140,20 +143,40 @@ def _load_tokenizer(path: Path, name: str) -> Tokenizer:
         except Exception as err:  # tokenizers raises a bare Exception for a file that is not its JSON
             raise DataError(f"cannot load tokenizer from {file}: {str(err).splitlines()[0]} (not a tokenizers "
                             "tokenizer.json)") from None
-    hub = not path.exists() and HUB_ID.fullmatch(name) is not None
+    # "data/tok" where ./data exists is a mistyped local path, not a repository of a hub user "data"
+    hub = not path.exists() and HUB_ID.fullmatch(name) is not None and not (len(path.parts) == 2
+                                                                           and path.parent.is_dir())
     if not path.is_dir() and not hub:
         raise DataError(f"no tokenizer at {path}: expected a directory with tokenizer.json (or vocab files), or "
                         "a Hugging Face hub name such as bert-base-uncased")
     from transformers import AutoTokenizer
 
     try:
-        hf = AutoTokenizer.from_pretrained(name, local_files_only=not hub)
+        try:
+            hf = AutoTokenizer.from_pretrained(name, local_files_only=True)
+        except (OSError, ValueError):
+            if not hub:
+                raise
+            with _quiet("huggingface_hub"):  # its retries log a line each: the error below is the one line
+                hf = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as err:
         where = f"'{name}': no local directory, and from the Hugging Face hub" if hub else f"from {path}"
         raise DataError(f"cannot load tokenizer {where}: {str(err).splitlines()[0]}") from None
     if not getattr(hf, "is_fast", False):
         raise DataError(f"tokenizer {name} has no fast (Rust) version; convert it or save tokenizer.json")
     return hf.backend_tokenizer
+
+
+@contextlib.contextmanager
+def _quiet(logger: str):
+    """Drop a library's warnings (its errors still show) while the block runs."""
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def save_tokenizer(tok: Tokenizer, ids: SpecialIds, cfg: TokenizerConfig, directory: Path):
