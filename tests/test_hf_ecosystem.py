@@ -71,7 +71,8 @@ def test_num_items_in_batch_turns_the_mean_into_a_sum_over_that_count(arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_trainer_gradient_accumulation_weighs_every_token_alike(arch, tmp_path):
     """Trainer passes num_items_in_batch to models whose forward takes **kwargs and then no longer divides by
-    the accumulation steps: a model that swallowed the count reported (and stepped with) N x the loss."""
+    the accumulation steps: a model that swallowed the count reported (and stepped with) N x the loss. The
+    same with Trainer's gradient_checkpointing."""
     pytest.importorskip("accelerate")
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -86,9 +87,10 @@ def test_trainer_gradient_accumulation_weighs_every_token_alike(arch, tmp_path):
     with torch.no_grad():
         expected = token_mean_loss(build(arch).eval(), samples)
     seen = []
-    for batch_size, accumulation in [(4, 1), (2, 2), (1, 4)]:
+    for batch_size, accumulation, recompute in [(4, 1, False), (2, 2, False), (1, 4, False), (2, 2, True)]:
         logs = Logs()
-        args = TrainingArguments(output_dir=str(tmp_path / f"{batch_size}"), per_device_train_batch_size=batch_size,
+        args = TrainingArguments(output_dir=str(tmp_path / f"{batch_size}{recompute}"),
+                                 per_device_train_batch_size=batch_size, gradient_checkpointing=recompute,
                                  gradient_accumulation_steps=accumulation, max_steps=1, learning_rate=0.0,
                                  logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
                                  max_grad_norm=1e9, dataloader_num_workers=0)
@@ -97,6 +99,54 @@ def test_trainer_gradient_accumulation_weighs_every_token_alike(arch, tmp_path):
     for record in seen:
         assert record["loss"] == pytest.approx(float(expected), rel=1e-4)
         assert record["grad_norm"] == pytest.approx(seen[0]["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.parametrize("arch,scheme", [("decoder", "pope"), ("decoder", "t5"), ("encoder", "alibi"), ("dstg", None)])
+def test_activation_checkpointing_recomputes_the_blocks_and_keeps_the_gradients(arch, scheme):
+    """gradient_checkpointing_enable() (Trainer's gradient_checkpointing=True) was refused: the models said they
+    did not support it. Each block now runs again in the backward pass, with the same loss and gradients; with a
+    KV cache or a capture the blocks run once (a recompute would extend the cache, or record, a second time)."""
+    extra = {} if scheme is None else {"positional": {"name": scheme}}
+    model = build(arch, n_layers=3, **extra).train()
+    ids = torch.randint(1, 40, (2, 12))
+    calls = []
+
+    def counted(forward):
+        def run(*args, **kwargs):
+            calls.append(1)
+            return forward(*args, **kwargs)
+        return run
+
+    for block in model.model.blocks:  # the recompute calls forward again (without the module's hooks)
+        block.forward = counted(block.forward)
+
+    def step(**kwargs):
+        model.zero_grad()
+        calls.clear()
+        out = model(ids, labels=ids, **kwargs)
+        out.loss.backward()
+        return out, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    plain, grads = step()
+    assert len(calls) == 3
+    with pytest.warns(FutureWarning):  # transformers 5 renamed it activation_checkpointing_enable; both work
+        model.gradient_checkpointing_enable()
+    recomputed, again = step()
+    assert len(calls) == 6
+    assert recomputed.loss.item() == plain.loss.item() and again.keys() == grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(again[name], grad, rtol=1e-6, atol=1e-7, msg=name)
+    _, again = step(output_hidden_states=True)
+    assert len(calls) == 3
+    if arch == "decoder":
+        out, _ = step(use_cache=True)
+        assert len(calls) == 3 and out.past_key_values.get_seq_length() == 12
+    model.eval()
+    with torch.no_grad():
+        model(ids)
+    model.activation_checkpointing_disable()
+    step()
+    assert len(calls) == 3
 
 
 @pytest.mark.parametrize("arch", ARCHS)

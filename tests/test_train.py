@@ -324,6 +324,28 @@ def test_resume_continues_bitwise(tmp_path, monkeypatch):
     assert all(torch.equal(model.state_dict()[k], v) for k, v in a.items())
 
 
+def test_activation_checkpointing_trains_the_same_model(tmp_path, monkeypatch):
+    """train.activation_checkpointing: every block runs again in each backward pass, and the run is the same."""
+    from poslab.models.blocks import Block
+
+    forward, calls = Block.forward, []
+
+    def counted(self, *args, **kwargs):
+        calls.append(torch.is_grad_enabled())
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(Block, "forward", counted)
+    train(RunConfig.from_dict(tiny_config(steps=3)), tmp_path / "kept")
+    kept = calls.count(True)
+    calls.clear()
+    train(RunConfig.from_dict(tiny_config(steps=3, activation_checkpointing=True)), tmp_path / "recomputed")
+    assert calls.count(True) == kept + 3 * 2  # 3 steps x 2 blocks, once more each
+    assert losses(tmp_path / "recomputed") == losses(tmp_path / "kept")
+    kept_weights = load_file(str(tmp_path / "kept" / "checkpoints" / "last" / "model.safetensors"))
+    weights = load_file(str(tmp_path / "recomputed" / "checkpoints" / "last" / "model.safetensors"))
+    assert all(torch.equal(weights[name], value) for name, value in kept_weights.items())
+
+
 def test_a_resume_continues_every_random_stream(tmp_path, monkeypatch):
     """The models here draw no random numbers while training, so the bitwise resume above holds without the
     checkpoint's RNG states. Dropout would: a step drawing from torch, numpy and random draws after a resume

@@ -47,9 +47,11 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path):
     train(RunConfig.from_dict(mlm), tmp_path / "single_mlm")
     # FSDP is also resumed for one more step: the optimizer state goes from a full checkpoint to shards.
     stores = [_store() for _ in range(5)]  # one per run: a store's keys belong to one process group
-    runs = [("ddp", tiny_config(**settings), False, stores[0].port),
+    # Activation checkpointing under DDP and FSDP2 (ddp, fsdp_mlm): the same weights as without, in one process.
+    runs = [("ddp", tiny_config(**settings, activation_checkpointing=True), False, stores[0].port),
             ("ddp_mlm", mlm, False, stores[1].port),
-            ("fsdp_mlm", {**mlm, "train": {**mlm["train"], "fsdp": True}}, False, stores[2].port),
+            ("fsdp_mlm", {**mlm, "train": {**mlm["train"], "fsdp": True, "activation_checkpointing": True}}, False,
+             stores[2].port),
             ("fsdp", tiny_config(**settings, fsdp=True), False, stores[3].port),
             ("fsdp", tiny_config(**settings | {"steps": 4}, fsdp=True), True, stores[4].port)]
     # fork, not spawn: the workers inherit the imported modules instead of importing torch and

@@ -284,7 +284,7 @@ class DSTGNeoBertModel(DSTGPreTrainedModel):
         _record(capture, "embed", x)
         for i, block in enumerate(self.blocks):
             _record(capture, f"blocks.{i}.resid_pre", x)
-            x = block(x, positions, key_padding, capture, f"blocks.{i}")
+            x = self.run_block(block, x, positions, key_padding, capture, f"blocks.{i}", recompute=capture is None)
             _record(capture, f"blocks.{i}.resid_post", x)
         x = self.final_norm(x)
         _record(capture, "final", x)

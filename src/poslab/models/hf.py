@@ -161,6 +161,18 @@ class PoslabPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     _no_split_modules = ["Block"]
     _supports_sdpa = True
+    # Hugging Face's activation_checkpointing_enable() (or gradient_checkpointing_enable(), Trainer's
+    # gradient_checkpointing=True) sets both on every module that has the flag: the trunks read them (run_block).
+    supports_gradient_checkpointing = True
+    gradient_checkpointing = False
+
+    def run_block(self, block: nn.Module, *args, recompute: bool):
+        """block(*args), its activations recomputed in the backward pass instead of kept when checkpointing is
+        on and the model trains with gradients. ``recompute`` False runs it as it is: the trunks pass False with
+        a KV cache (the recompute would write it again) or a capture (it would record twice)."""
+        if recompute and self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            return self._gradient_checkpointing_func(block.__call__, *args)
+        return block(*args)
 
     def _check_and_adjust_attn_implementation(self, attn_implementation: str | None, is_init_check: bool = False,
                                               allow_all_kernels: bool = False) -> str:
@@ -261,7 +273,8 @@ class PoslabModel(PoslabPreTrainedModel):
         for i, block in enumerate(self.blocks):
             if capture is not None:
                 capture.record(f"blocks.{i}.resid_pre", x)
-            x = block(x, positions, key_padding, capture, f"blocks.{i}", cache, key_positions)
+            x = self.run_block(block, x, positions, key_padding, capture, f"blocks.{i}", cache, key_positions,
+                               recompute=cache is None and capture is None)
             if capture is not None:
                 capture.record(f"blocks.{i}.resid_post", x)
         x = self.final_norm(x)

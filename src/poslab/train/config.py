@@ -55,6 +55,9 @@ class TrainConfig:
     for loss, max for the accuracies, so that naming an accuracy alone keeps its best checkpoint); it and
     ``eval_split`` are checked against the data and model when training starts, before the first step.
     ``precision`` auto is bf16 autocast on CUDA and fp32 on CPU; ``device`` auto prefers CUDA.
+    ``activation_checkpointing`` keeps only each block's input and recomputes the rest in the backward pass
+    (Hugging Face's ``activation_checkpointing_enable``): the same gradients in less memory, for about one
+    more forward pass of time.
     ``init_from`` fine-tunes: a checkpoint directory, or a run directory (its checkpoints/last), whose weights
     the model starts from; the optimizer, the schedule and the step count start afresh. Its model may differ
     in what leaves the weights' names and shapes alone (a RoPE scaling, max_seq_len without a position table).
@@ -82,6 +85,7 @@ class TrainConfig:
     precision: str = "auto"
     compile: bool = False
     fsdp: bool = False
+    activation_checkpointing: bool = False
     device: str = "auto"
     init_from: str | None = None
 

@@ -161,6 +161,8 @@ class Trainer:
         model.to(self.device)
         self.autocast = evaluation.autocast(self.device, cfg.precision)
         self._preflight(model, batch)
+        if cfg.activation_checkpointing:  # each block's activations are recomputed in the backward pass
+            model.activation_checkpointing_enable()
         if cfg.compile:
             model.compile()
         self.model = parallel.wrap(model, cfg.fsdp)
