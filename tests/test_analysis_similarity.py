@@ -36,6 +36,21 @@ def test_cosine_self_similarity_shape_values_and_zero_vectors():
     assert cosine_self_similarity(h.to(torch.bfloat16)).dtype == torch.float64
 
 
+def test_repeated_states_tie_exactly():
+    """The embedding layer repeats a token's state wherever the token repeats: its cosines with any state must
+    tie, or the score counts 0 or 1 where the definition counts 1/2 (the matrix product split 2% of them)."""
+    g = torch.Generator().manual_seed(0)
+    vocab = torch.randn(10, 384, generator=g)
+    tokens = torch.randint(0, 10, (64, 40), generator=g)
+    unit = torch.nn.functional.normalize(vocab.double(), dim=-1)
+    exact = (unit @ unit.T)[tokens[:, :, None], tokens[:, None, :]]  # equal by construction where tokens are
+    sim = functional_cosine(vocab[tokens])
+    same = (tokens[:, :, None] == tokens[:, None, :])[:, None].expand(-1, 40, -1, -1)  # (S, row, col, col)
+    assert not (sim[:, :, :, None] != sim[:, :, None, :])[same].any()
+    torch.testing.assert_close(sim, exact, rtol=0, atol=1e-12)
+    torch.testing.assert_close(adjacency_score(sim), adjacency_score(exact), rtol=0, atol=1e-15)
+
+
 def test_perfect_monotone_scores_one_and_reversed_scores_zero():
     n = 9
     i = torch.arange(n, dtype=torch.float64)

@@ -36,9 +36,25 @@ def cosine_self_similarity(h: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     float64 because the score ranks these values: states sharing a large component (an init mean of 4 or
     8) have cosines within ~1e-6 of 1, where float32's rounding (~6e-8) would reorder them.
     A zero vector has similarity 0 with everything (eps guards the norm), never NaN.
+    Equal states (a repeated token at the embedding layer) get equal columns: the matrix product rounds each
+    entry in its own order, which split 2% of such ties by the last bit, and the score counts a tie 1/2.
     """
     x = F.normalize(h.double(), dim=-1, eps=eps)
-    return x @ x.transpose(-1, -2)
+    sim = x @ x.transpose(-1, -2)
+    return sim.gather(-1, _first_equal(h)[..., None, :].expand_as(sim))
+
+
+def _first_equal(h: torch.Tensor) -> torch.Tensor:
+    """h (..., n, d) -> (..., n) int64: for each state, the index of the first state in its sequence equal to it."""
+    n = h.shape[-2]
+    flat = h.reshape(-1, n, h.shape[-1])
+    first = torch.empty(flat.shape[:2], dtype=torch.long, device=h.device)
+    positions = torch.arange(n, device=h.device)
+    for b, states in enumerate(flat):
+        _, group = torch.unique(states, dim=0, return_inverse=True)
+        lowest = torch.full((n,), n, dtype=torch.long, device=h.device).scatter_reduce(0, group, positions, "amin")
+        first[b] = lowest[group]
+    return first.view(h.shape[:-1])
 
 
 def _row_scores(rows: np.ndarray, out: np.ndarray) -> None:
