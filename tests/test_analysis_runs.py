@@ -271,7 +271,7 @@ def test_rope_scaling_is_the_identity_at_factor_one_and_changes_longer_inputs(ru
 def test_dstg_run_streams_table_and_terms(tmp_path):
     raw = {"seed": 0,
            "model": {"arch": "dstg", "vocab_size": None, "n_layers": 2, "n_heads": 2, "d_ap": 8, "d_sem": 24,
-                     "max_seq_len": 32},
+                     "max_seq_len": 32, "position_offset_max": 8},
            "data": {"kind": "mlm", "source": {"type": "synthetic", "documents": 60, "seed": 0},
                     "tokenizer": {"type": "wordpiece", "vocab_size": 200, "train_documents": 40},
                     "validation_documents": 20, "seq_len": 32, "cache_dir": str(tmp_path / "cache")},
@@ -298,7 +298,8 @@ def test_dstg_run_streams_table_and_terms(tmp_path):
     assert {"embed.ap", "embed.sem", "blocks.1.resid_post.ap", "blocks.1.resid_post.sem"} <= set(adj)
     assert analyze("spectra", "--run", run) == 0
     spectra = json.loads((tmp_path / "dstg" / "analysis" / "spectra.json").read_text())
-    assert spectra["models"]["trained"]["dim"] == 8 and spectra["positions"] == 32
+    # 32-token sequences shifted by up to 8 in training reach 40 rows (the table's first, position 0, is never read)
+    assert spectra["models"]["trained"]["dim"] == 8 and spectra["positions"] == 40
     assert analyze("heads", "--run", run, "--sequences", "8") == 0
     heads = json.loads((tmp_path / "dstg" / "analysis" / "heads.json").read_text())
     assert heads["terms"] == ["ap", "sem", "rp"]

@@ -270,7 +270,9 @@ def spectra(run: Run, opts: Options) -> dict:
     if tables["trained"] is None:
         raise ConfigError(f"spectra needs a learned absolute-position table; the model of {run.dir} has none "
                           "(use a run with positional 'learned' or arch 'dstg' with d_ap > 0)")
-    rows = min(int(training_tokens(run.config)), tables["trained"].shape[0])
+    # a DSTG model shifts each training sequence by up to position_offset_max: those rows were trained too
+    reached = int(training_tokens(run.config)) + getattr(run.config.model, "position_offset_max", 0)
+    rows = min(reached, tables["trained"].shape[0])
     data: dict = {"run": str(run.dir), "positions": rows, "models": {}}
     for label, table in tables.items():
         data["models"][label] = spectrum_summary(table.detach()[:rows].cpu())
