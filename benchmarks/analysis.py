@@ -77,7 +77,7 @@ def bench_ridge(tokens: int, d: int, layers: int, seq_len: int) -> None:
     print(f"ridge probes: {layers} layers x {sequences * seq_len:,} tokens x d={d}: {total:.1f} s wall, "
           f"{total_cpu:.1f} s CPU "
           f"(target <= 60 s; making the synthetic features took another {made:.1f} s)")
-    fit = torch.cat([split.train, split.val])
+    fit = split.train  # the sequences ridge_probe fits on (validation only chooses its strength)
     xf = x[fit].reshape(-1, d)
     xf = torch.cat([xf, torch.ones(xf.shape[0], 1)], 1)
     yf = targets[fit].reshape(-1, 3).float()

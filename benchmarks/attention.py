@@ -28,10 +28,17 @@ def timed(fn, repeats: int) -> float:
     fn()  # warm-up
     best = math.inf
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         fn()
+        sync()  # CUDA launches return before the kernels finish
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def inputs(b, h, n, d, device):

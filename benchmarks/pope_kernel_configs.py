@@ -23,13 +23,13 @@ import torch
 from pope_kernel import attention_inputs, pope2d_attention, use_configs  # benchmarks/ is the script's directory
 from poslab.kernels import triton_available
 
-# The current defaults (CUDA_LAUNCH) first, then neighbours and part of the first sweep's field (BENCHMARKS.md
-# has its timings). Spills alone do not decide: several winners spill a few hundred bytes per thread; the
-# neighbours that ptxas (sm_90a) reports with over 4 KB of spills are left out
-# (benchmarks/pope_kernel_registers.py prints the reports). At d 128 the dk/dv winner, (32, 32, 4, 2), runs
-# on mma.sync, not wgmma (its key tile has 32 rows, wgmma needs 64); the last two dk/dv candidates there,
-# untimed, are the wgmma tiles with the fewest spills. "dkdq", the atomic backward's kernel, has never been
-# timed: its candidates are the tiles with the fewest spills at each size.
+# The candidates of the 2026-11-30 sweep (BENCHMARKS.md has its timings; its winners are now CUDA_LAUNCH): that
+# day's defaults first, then neighbours and part of the first sweep's field. Spills alone do not decide: several
+# winners spill a few hundred bytes per thread; the neighbours that ptxas (sm_90a) reports with over 4 KB of
+# spills are left out (benchmarks/pope_kernel_registers.py prints the reports). At d 128 that day's dk/dv
+# default, (32, 32, 4, 2), runs on mma.sync, not wgmma (its key tile has 32 rows, wgmma needs 64); the sweep
+# chose the wgmma tile (16, 64, 4, 2). "dkdq", the atomic backward's kernel, had never been timed before that
+# sweep: its candidates are the tiles with the fewest spills at each size.
 CANDIDATES = {
     64: {"fwd": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 32, 8, 3), (64, 64, 4, 3)],
          "dq": [(128, 32, 8, 2), (128, 64, 8, 2), (64, 32, 8, 2), (64, 32, 4, 2), (64, 64, 8, 2)],

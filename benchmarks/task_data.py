@@ -51,15 +51,15 @@ def main() -> None:
                                     "positional": {"name": "rope"}}).train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-        def train_step(step: int) -> None:
-            batch = fresh.train_batch(step, args.batch)
+        def train_step(batch: dict[str, torch.Tensor]) -> None:
             model(**batch).loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 
         times: dict[str, list[float]] = {"step": [], "fresh": [], "pool": []}
         for step in range(args.warmup + args.steps):
-            sample = {"step": timed(lambda: train_step(step)),
+            batch = fresh.train_batch(step, args.batch)  # drawn outside the step it is compared with
+            sample = {"step": timed(lambda: train_step(batch)),
                       "fresh": timed(lambda: fresh.train_batch(10_000 + step, args.batch)),
                       "pool": timed(lambda: pool.train_batch(step, args.batch))}
             if step >= args.warmup:

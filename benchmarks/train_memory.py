@@ -56,7 +56,9 @@ def child(config_path: str, steps: int, kept: bool, profile: bool) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("config")
+    parser.add_argument("config", nargs="?", default=str(Path(__file__).parent.parent / "src/poslab/configs/tasks/"
+                                                                                  "addition.yaml"),
+                        help="a run config (default: the packaged addition task's)")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=2, help="alternating default / kept pairs")
     parser.add_argument("--profile", action="store_true")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import io
 import json
 import platform
@@ -29,12 +30,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-try:
-    from x_transformers import Decoder, TransformerWrapper
-    from x_transformers.x_transformers import GLU
-except ImportError:  # the baseline is an optional extra: say how to get it, in one line
-    raise SystemExit("benchmarks/train_throughput.py needs x-transformers, the baseline it measures against: "
-                     "POSLAB_EXTRAS=dev,bench bash scripts/setup.sh (or pip install -e '.[bench]')") from None
 
 import poslab
 from poslab.train import load_config, train
@@ -43,6 +38,9 @@ TASK_CONFIGS = Path(poslab.__file__).parent / "configs" / "tasks"
 
 
 def build_pair(args: argparse.Namespace, vocab: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    from x_transformers import Decoder, TransformerWrapper  # checked by main(), after --help could answer
+    from x_transformers.x_transformers import GLU
+
     hidden = int(args.d_model * 8 / 3)  # x-transformers' inner width is int(dim * ff_mult)
     ours = poslab.build_model({
         "arch": "decoder", "vocab_size": vocab, "d_model": args.d_model, "n_layers": args.layers,
@@ -149,6 +147,9 @@ def main() -> None:
     parser.add_argument("--engine-steps", type=int, default=20)
     parser.add_argument("--skip-engine", action="store_true")
     args = parser.parse_args()
+    if importlib.util.find_spec("x_transformers") is None:  # the baseline is an optional extra: say how to get it
+        raise SystemExit("benchmarks/train_throughput.py needs x-transformers, the baseline it measures against: "
+                         "POSLAB_EXTRAS=dev,bench bash scripts/setup.sh (or pip install -e '.[bench]')")
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"machine: {platform.processor() or platform.machine()}, device {args.device}, torch {torch.__version__}, "
