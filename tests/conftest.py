@@ -1,9 +1,15 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if "POSLAB_CACHE" not in os.environ:  # data a test prepares without a cache_dir stays out of the user's cache
+    os.environ["POSLAB_CACHE"] = tempfile.mkdtemp(prefix="poslab-tests-")
+    atexit.register(shutil.rmtree, os.environ["POSLAB_CACHE"], True)
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import re
@@ -424,7 +425,14 @@ def test_eval_data_source_without_a_type_reads_over_the_runs_own(lm_run):
     evaluated = evaluation_config(run.config, {"source": {"seed": 7}, "validation_documents": 4})
     corpus = evaluated.data.build(0).corpus
     assert corpus.manifest["config"]["source"] == {"type": "synthetic", "documents": 40, "seed": 7}
-    assert corpus.directory != run.config.data.build(0).corpus.directory
+    own = run.config.data.build(0).corpus.directory
+    assert corpus.directory != own
+    # A run on prepared data (`data: {prepared: DIR}`, as `poslab data prepare` makes it) has its source in
+    # DIR/manifest.json: the same file was refused there.
+    prepared = dataclasses.replace(run.config, data=dataclasses.replace(
+        run.config.data, options={"prepared": str(own), "seq_len": 16, "cache_dir": str(lm_run / "cache")}))
+    evaluated = evaluation_config(prepared, {"source": {"seed": 7}, "validation_documents": 4})
+    assert evaluated.data.build(0).corpus.directory == corpus.directory
 
 
 def test_extrapolation_on_another_corpus_uses_the_runs_tokenizer(lm_run):

@@ -161,9 +161,10 @@ def evaluation_config(config: RunConfig, eval_data: dict[str, Any] | None) -> Ru
     if "seq_len" in overrides:
         raise ConfigError("eval_data cannot set seq_len: the evaluation lengths are the training length times the "
                           "factors")
-    own_source = config.data.options.get("source")
-    if isinstance(overrides.get("source"), dict) and "type" not in overrides["source"] and isinstance(own_source, dict):
-        overrides["source"] = {**own_source, **overrides["source"]}  # other options of the run's own source
+    if isinstance(overrides.get("source"), dict) and "type" not in overrides["source"]:
+        own_source = _own_source(config)
+        if own_source is not None:
+            overrides["source"] = {**own_source, **overrides["source"]}  # other options of the run's own source
     options = {**config.data.options, **overrides}
     if not set(CORPUS_KEYS) & overrides.keys():  # the run's own corpus, read differently
         return _checked(dataclasses.replace(config, data=dataclasses.replace(config.data, options=options)))
@@ -187,6 +188,14 @@ def evaluation_config(config: RunConfig, eval_data: dict[str, Any] | None) -> Ru
     reading = {k: v for k, v in options.items() if k not in PREPARATION_KEYS} | {"prepared": str(corpus.directory)}
     return _checked(dataclasses.replace(config, data=dataclasses.replace(config.data, options=reading),
                                         train=dataclasses.replace(config.train, eval_split=EVAL_SPLIT)))
+
+
+def _own_source(config: RunConfig) -> dict[str, Any] | None:
+    """The source of the run's corpus: in its config, or for a run on prepared data, in that data's manifest."""
+    source = config.data.options.get("source")
+    if source is None and config.data.options.get("prepared"):
+        source = _prepared_corpus(config.data.options).manifest.get("config", {}).get("source")
+    return source if isinstance(source, dict) else None
 
 
 def _checked(config: RunConfig) -> RunConfig:
