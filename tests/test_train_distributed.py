@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -46,18 +47,24 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path):
     mlm = tiny_mlm_config(tmp_path / "cache", **settings)
     train(RunConfig.from_dict(mlm), tmp_path / "single_mlm")
     # FSDP is also resumed for one more step: the optimizer state goes from a full checkpoint to shards.
-    stores = [_store() for _ in range(5)]  # one per run: a store's keys belong to one process group
+    # A finished one-process run resumed on two ranks has no step left: it ends right after the evaluation's
+    # broadcast, where rank 1 deadlocked now and then tearing gloo down (Parallel.leave_together).
+    shutil.copytree(tmp_path / "single", tmp_path / "finished")
+    stores = [_store() for _ in range(6)]  # one per run: a store's keys belong to one process group
     # Activation checkpointing under DDP and FSDP2 (ddp, fsdp_mlm): the same weights as without, in one process.
     runs = [("ddp", tiny_config(**settings, activation_checkpointing=True), False, stores[0].port),
             ("ddp_mlm", mlm, False, stores[1].port),
             ("fsdp_mlm", {**mlm, "train": {**mlm["train"], "fsdp": True, "activation_checkpointing": True}}, False,
              stores[2].port),
             ("fsdp", tiny_config(**settings, fsdp=True), False, stores[3].port),
-            ("fsdp", tiny_config(**settings | {"steps": 4}, fsdp=True), True, stores[4].port)]
+            ("fsdp", tiny_config(**settings | {"steps": 4}, fsdp=True), True, stores[4].port),
+            ("finished", tiny_config(**settings), True, stores[5].port)]
     # fork, not spawn: the workers inherit the imported modules instead of importing torch and
     # transformers again (seconds per process on two cores); the fixture set one thread before.
     mp.start_processes(_worker, args=(str(tmp_path), runs), nprocs=WORLD, start_method="fork")
     _assert_same_weights(tmp_path / "ddp", tmp_path / "single")
+    for rank in range(WORLD):
+        assert json.loads((tmp_path / f"finished.rank{rank}.json").read_text())["step"] == 3
     for name in ("ddp_mlm", "fsdp_mlm"):
         _assert_same_weights(tmp_path / name, tmp_path / "single_mlm")
         assert losses(tmp_path / name) == pytest.approx(losses(tmp_path / "single_mlm"), rel=1e-5), name
@@ -96,7 +103,6 @@ def _worker_on_own_cache(rank: int, root: str, raw: dict, port: int) -> None:
 def test_ranks_whose_tokenizers_differ_are_refused_together(tmp_path):
     """Nodes that each prepare the corpus can get tokenizers that number tokens otherwise (tied merges): every
     rank refuses before training. Rank 1's copy of the cache has two tokens swapped."""
-    import shutil
 
     from poslab.data import ensure_prepared
     from poslab.data.config import DataConfig as TextDataConfig

@@ -215,7 +215,7 @@ def reproduce(names: list[str], scale: str, out: str | Path, force: bool = False
         if parallel is not None:
             # Leave together: a rank that tore its gloo group down while rank 0 was still analysing the
             # last recipe aborted now and then ("terminate called without an active exception").
-            parallel.barrier()
+            parallel.leave_together()
     finally:
         if parallel is not None:
             parallel.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +102,16 @@ class Parallel:
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()
+
+    def leave_together(self) -> None:
+        """Wait for every rank, then let gloo's worker threads finish: they free a finished collective's tensors
+        after its waiter has returned, which takes the GIL, and freeing the group (or DDP's reducer, which holds
+        it) joins them with the GIL held. A rank that tore down right after a collective (a resumed run with no
+        step left ends on the evaluation's broadcast) deadlocked there now and then; a barrier alone still did,
+        since its work holds the ones before it. The sleep releases the GIL."""
+        if self.distributed:
+            dist.barrier()
+            time.sleep(0.1)
 
     def close(self) -> None:
         if self.owns_group:

@@ -72,7 +72,9 @@ def train(config: RunConfig, out_dir: str | Path, resume: bool = False, overwrit
     parallel = Parallel.setup(config.train.device)
     try:
         trainer = Trainer(config, Path(out_dir), parallel, resume, overwrite)
-        return trainer.fit(StopBetweenSteps(announce=parallel.is_main) if stop_between_steps else None)
+        final = trainer.fit(StopBetweenSteps(announce=parallel.is_main) if stop_between_steps else None)
+        parallel.leave_together()  # not on an error: a rank failing alone must not wait for the others
+        return final
     finally:
         parallel.close()
 
