@@ -97,6 +97,15 @@ def test_paper_plan_from_the_command_line_writes_nothing(tmp_path, capsys):
     assert f"counts {total[1]} trainings and {total[2].replace('+', '')} FLOPs" in readme
 
 
+def test_under_torchrun_rank_0_alone_prints_the_plan(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    assert main(["reproduce", "adjacency", "--scale", "smoke", "--plan", "--out", str(tmp_path / "p")]) == 0
+    assert capsys.readouterr().out == ""
+    monkeypatch.setenv("RANK", "0")
+    assert main(["reproduce", "adjacency", "--scale", "smoke", "--plan", "--out", str(tmp_path / "p")]) == 0
+    assert "| total |" in capsys.readouterr().out
+
+
 def test_plan_refuses_an_unknown_scale_or_recipe(tmp_path, capsys):
     assert main(["reproduce", "all", "--scale", "huge", "--plan", "--out", str(tmp_path / "x")]) == 2
     assert "--scale must be one of" in capsys.readouterr().err

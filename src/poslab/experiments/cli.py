@@ -81,7 +81,9 @@ def run(args: argparse.Namespace) -> int:
         from poslab.experiments.plan import plan, render
 
         finished_at_scale(Path(args.out), scale, lambda _: None)  # refused here as the run would refuse it
-        print(render(plan(names, scale, args.out), scale))
+        table = render(plan(names, scale, args.out), scale)
+        if int(os.environ.get("RANK", "0")) == 0:  # once, not once per torchrun process
+            print(table)
         return 0
     small = scale in ("quick", "smoke")
     threads = args.threads if args.threads is not None else (1 if small else None)
