@@ -235,7 +235,7 @@ class HFSource:
         # A row the loader cannot parse fails inside load_dataset, wrapped, or (streaming) while rows are read.
         failures = (ValueError, OSError, DatasetGenerationError)
         try:
-            with _hub_retries_quiet():
+            with hub_retries_quiet():
                 ds = datasets.load_dataset(o.name, o.config_name, split=o.split, streaming=o.streaming,
                                            data_files=o.data_files, data_dir=o.data_dir, revision=o.revision)
         except failures as err:
@@ -260,9 +260,9 @@ class HFSource:
 
 
 @contextlib.contextmanager
-def _hub_retries_quiet() -> Iterator[None]:
+def hub_retries_quiet() -> Iterator[None]:
     """huggingface_hub logs each retry of a request it cannot make (offline: eleven lines); the error that
-    follows, as one line, says why, so they are held back while the dataset is resolved."""
+    follows, as one line, says why, so they are held back while a dataset or tokenizer is resolved."""
     hub = logging.getLogger("huggingface_hub")
     level = hub.level
     hub.setLevel(logging.ERROR)

@@ -11,9 +11,7 @@ vocabulary lacks a needed token is rejected with the role and token named.
 """
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -22,6 +20,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from poslab.data.config import TokenizerConfig
+from poslab.data.sources import hub_retries_quiet
 from poslab.errors import DataError
 
 REQUIRED_ROLES = ("cls", "sep", "pad")
@@ -157,7 +156,7 @@ def _load_tokenizer(path: Path, name: str) -> Tokenizer:
         except (OSError, ValueError):
             if not hub:
                 raise
-            with _quiet("huggingface_hub"):  # its retries log a line each: the error below is the one line
+            with hub_retries_quiet():
                 hf = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as err:
         where = f"'{name}': no local directory, and from the Hugging Face hub" if hub else f"from {path}"
@@ -165,18 +164,6 @@ def _load_tokenizer(path: Path, name: str) -> Tokenizer:
     if not getattr(hf, "is_fast", False):
         raise DataError(f"tokenizer {name} has no fast (Rust) version; convert it or save tokenizer.json")
     return hf.backend_tokenizer
-
-
-@contextlib.contextmanager
-def _quiet(logger: str):
-    """Drop a library's warnings (its errors still show) while the block runs."""
-    log = logging.getLogger(logger)
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
 
 
 def save_tokenizer(tok: Tokenizer, ids: SpecialIds, cfg: TokenizerConfig, directory: Path):
