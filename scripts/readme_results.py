@@ -33,7 +33,8 @@ def section(data: dict, out: str) -> str:
         "under the code of both runs), and DSTG's head split now holds (one semantic head among 24), a claim that "
         "held in 1 of 6 trainings there (twenty-first session). This run, on the twenty-third session's code, gives "
         "30 of the twenty-second session's 33 values to the last digit; the other 3, adjacency scores of layers "
-        "where a token repeats its state, moved by at most 0.0004 when equal states began to tie exactly.",
+        "where a token repeats its state, moved by at most 0.0004 when equal states began to tie exactly (a first run on this session's code, before "
+        "its last refactor, gave the same 33 values).",
         "", *summary_table(data), ""])
 
 
