@@ -1,6 +1,7 @@
 """The models among Hugging Face tools: Trainer with gradient accumulation, resize_token_embeddings,
 from_pretrained overrides and attn_implementation, output_hidden_states / output_attentions / return_dict,
 and one-line refusals of the inputs the models do not take."""
+import dataclasses
 import json
 import tempfile
 
@@ -72,9 +73,13 @@ def test_num_items_in_batch_turns_the_mean_into_a_sum_over_that_count(arch):
 def test_trainer_gradient_accumulation_weighs_every_token_alike(arch, tmp_path):
     """Trainer passes num_items_in_batch to models whose forward takes **kwargs and then no longer divides by
     the accumulation steps: a model that swallowed the count reported (and stepped with) N x the loss. The
-    same with Trainer's gradient_checkpointing."""
+    same with Trainer's activation checkpointing."""
     pytest.importorskip("accelerate")
     from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    # transformers renamed the argument (the old name warns that it goes in v6); 5.17 knows only the old one.
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    checkpointing = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
 
     class Logs(TrainerCallback):
         def __init__(self):
@@ -90,7 +95,7 @@ def test_trainer_gradient_accumulation_weighs_every_token_alike(arch, tmp_path):
     for batch_size, accumulation, recompute in [(4, 1, False), (2, 2, False), (1, 4, False), (2, 2, True)]:
         logs = Logs()
         args = TrainingArguments(output_dir=str(tmp_path / f"{batch_size}{recompute}"),
-                                 per_device_train_batch_size=batch_size, gradient_checkpointing=recompute,
+                                 per_device_train_batch_size=batch_size, **{checkpointing: recompute},
                                  gradient_accumulation_steps=accumulation, max_steps=1, learning_rate=0.0,
                                  logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
                                  max_grad_norm=1e9, dataloader_num_workers=0)
@@ -103,7 +108,7 @@ def test_trainer_gradient_accumulation_weighs_every_token_alike(arch, tmp_path):
 
 @pytest.mark.parametrize("arch,scheme", [("decoder", "pope"), ("decoder", "t5"), ("encoder", "alibi"), ("dstg", None)])
 def test_activation_checkpointing_recomputes_the_blocks_and_keeps_the_gradients(arch, scheme):
-    """gradient_checkpointing_enable() (Trainer's gradient_checkpointing=True) was refused: the models said they
+    """gradient_checkpointing_enable() (Trainer's activation or gradient checkpointing) was refused: the models said they
     did not support it. Each block now runs again in the backward pass, with the same loss and gradients; with a
     KV cache or a capture the blocks run once (a recompute would extend the cache, or record, a second time)."""
     extra = {} if scheme is None else {"positional": {"name": scheme}}
