@@ -108,7 +108,7 @@ def test_trainer_gradient_accumulation_weighs_every_token_alike(arch, tmp_path):
 
 @pytest.mark.parametrize("arch,scheme", [("decoder", "pope"), ("decoder", "t5"), ("encoder", "alibi"), ("dstg", None)])
 def test_activation_checkpointing_recomputes_the_blocks_and_keeps_the_gradients(arch, scheme):
-    """gradient_checkpointing_enable() (Trainer's activation or gradient checkpointing) was refused: the models said they
+    """gradient_checkpointing_enable() (Trainer's activation checkpointing) was refused: the models said they
     did not support it. Each block now runs again in the backward pass, with the same loss and gradients; with a
     KV cache or a capture the blocks run once (a recompute would extend the cache, or record, a second time)."""
     extra = {} if scheme is None else {"positional": {"name": scheme}}
