@@ -469,6 +469,51 @@ def test_a_hub_tokenizer_is_read_from_the_cache_first_and_hub_retries_stay_quiet
     assert logging.getLogger("huggingface_hub").level == level  # as it was
 
 
+@pytest.mark.parametrize("network", ["no name resolution", "proxy", "resolves"])
+def test_a_hub_tokenizer_fails_at_once_where_the_hub_cannot_be_reached(network, tmp_path, monkeypatch):
+    """Offline without HF_HUB_OFFLINE, a hub name that is not in the cache waited 55 s for the hub client's
+    retries before its one-line error. A hub whose host name does not resolve is now known unreachable without
+    asking it; behind a proxy (which resolves names itself), or where the name resolves, the hub is asked."""
+    import socket
+
+    import huggingface_hub
+    import transformers
+
+    from poslab.data import sources
+
+    calls, lookups = [], []
+
+    def spy(name, **kwargs):
+        calls.append((name, kwargs.get("local_files_only", False)))
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files.")
+
+    def lookup(host, port, *args):
+        lookups.append(host)
+        if network == "no name resolution":
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("192.0.2.1", port))]
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", spy)
+    monkeypatch.setattr(sources.socket, "getaddrinfo", lookup)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "https://hub.example.org")
+    for name in sources.PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    if network == "proxy":
+        monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example.org:3128")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError) as err:
+        load_tokenizer("no/such")
+    if network == "no name resolution":
+        assert calls == [("no/such", True)] and lookups == ["hub.example.org"]
+        assert str(err.value) == ("cannot load tokenizer 'no/such': no local directory, not in the Hugging Face "
+                                  "cache, and the hub (hub.example.org) cannot be reached: its name does not resolve; "
+                                  "use a local tokenizer directory, or fetch it where there is internet")
+    else:
+        assert calls == [("no/such", True), ("no/such", False)] and "We couldn't connect" in str(err.value)
+        assert lookups == ([] if network == "proxy" else ["hub.example.org"])
+
+
 def test_local_tokenizer_truncation_and_padding_are_ignored(prepared, tmp_path):
     """A tokenizer.json may be saved with truncation and padding on (sentence-transformers models ship
     them): applied to whole documents, they cut each to max_length tokens and wrote [PAD]s into the stream."""

@@ -16,7 +16,9 @@ import glob
 import itertools
 import json
 import logging
+import os
 import re
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -270,6 +272,30 @@ def hub_retries_quiet() -> Iterator[None]:
         yield
     finally:
         hub.setLevel(level)
+
+
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face hub cannot be reached from here, or None when it may be. Where its host name does
+    not resolve, huggingface_hub still retries each request with backoff before it fails (55 s for a
+    tokenizer), which a failed lookup answers at once. Nothing is decided behind a proxy (it resolves names
+    itself) or with HF_HUB_OFFLINE (the client then fails at once on its own)."""
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or any(os.environ.get(name) for name in PROXY_VARIABLES):
+        return None
+    host = urlparse(constants.ENDPOINT).hostname
+    try:
+        socket.getaddrinfo(host, 443)
+    except (socket.gaierror, UnicodeError):
+        return f"the hub ({host}) cannot be reached: its name does not resolve"
+    except OSError:
+        return None
+    return None
 
 
 def _first_line(err: BaseException) -> str:

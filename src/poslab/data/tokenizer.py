@@ -20,7 +20,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from poslab.data.config import TokenizerConfig
-from poslab.data.sources import hub_retries_quiet
+from poslab.data.sources import hub_retries_quiet, hub_unreachable
 from poslab.errors import DataError
 
 REQUIRED_ROLES = ("cls", "sep", "pad")
@@ -156,6 +156,9 @@ def _load_tokenizer(path: Path, name: str) -> Tokenizer:
         except (OSError, ValueError):
             if not hub:
                 raise
+            if (why := hub_unreachable()) is not None:
+                raise DataError(f"cannot load tokenizer '{name}': no local directory, not in the Hugging Face cache, "
+                                f"and {why}; use a local tokenizer directory, or fetch it where there is internet")
             with hub_retries_quiet():
                 hf = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as err:
