@@ -78,7 +78,9 @@ def _main(argv: list[str] | None) -> int:
         _out_of_memory(err)
         return 2
     except KeyboardInterrupt as err:
-        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank stops alike: one line, not one each
+        from poslab.train.parallel import launched_as_rank_zero
+
+        if launched_as_rank_zero():  # under torchrun every rank stops alike: one line, not one each
             print("poslab: interrupted" + (f"; {err}" if str(err) else ""), file=sys.stderr)
         return 130
 

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from poslab.data.config import from_dict
 from poslab.data.sentences import segment
@@ -282,8 +283,6 @@ def hub_unreachable() -> str | None:
     not resolve, huggingface_hub still retries each request with backoff before it fails (55 s for a
     tokenizer), which a failed lookup answers at once. Nothing is decided behind a proxy (it resolves names
     itself) or with HF_HUB_OFFLINE (the client then fails at once on its own)."""
-    from urllib.parse import urlparse
-
     from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE or any(os.environ.get(name) for name in PROXY_VARIABLES):
@@ -293,8 +292,8 @@ def hub_unreachable() -> str | None:
         socket.getaddrinfo(host, 443)
     except (socket.gaierror, UnicodeError):
         return f"the hub ({host}) cannot be reached: its name does not resolve"
-    except OSError:
-        return None
+    except OSError:  # another failure of the lookup: the client tries, and says why
+        pass
     return None
 
 

@@ -12,6 +12,7 @@ import torch
 from poslab.analysis.runs import DEVICES, analysis_device
 from poslab.arguments import path_argument
 from poslab.errors import PoslabError
+from poslab.train.parallel import launched_as_rank_zero
 from poslab.train.stopping import terminate_as_interrupt
 
 
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
         finished_at_scale(Path(args.out), scale, lambda _: None)  # refused here as the run would refuse it
         table = render(plan(names, scale, args.out), scale)
-        if int(os.environ.get("RANK", "0")) == 0:  # once, not once per torchrun process
+        if launched_as_rank_zero():  # once, not once per torchrun process
             print(table)
         return 0
     small = scale in ("quick", "smoke")
@@ -92,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     # One 1-thread training per CPU suits small CPU models; on a GPU they would all crowd onto one device.
     jobs = args.jobs if args.jobs is not None else cpus if small and not torch.cuda.is_available() else 1
     device = analysis_device(args.analysis_device)
-    if scale == "paper" and not torch.cuda.is_available() and int(os.environ.get("RANK", "0")) == 0:
+    if scale == "paper" and not torch.cuda.is_available() and launched_as_rank_zero():
         print(f"poslab: warning: --scale paper on a machine without CUDA: its trainings take GPU-days (see "
               f"'poslab reproduce {' '.join(args.names)} --scale paper --plan --out {args.out}')", file=sys.stderr)
     try:
@@ -101,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         raise KeyboardInterrupt(f"the same command resumes: the finished recipes and trainings in {args.out} are "
                                 "kept, and an unfinished training continues from its last checkpoint") from None
-    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun the other ranks trained but did not measure
+    if launched_as_rank_zero():  # under torchrun the other ranks trained but did not measure
         held = sum(c["held"] for r in data["recipes"].values() for c in r["claims"])
         total = sum(len(r["claims"]) for r in data["recipes"].values())
         print(f"{held}/{total} claims held; report: {args.out}/report.md")

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from poslab.train import RunConfig, train
 from poslab.train.checkpoint import first_difference, saved_step, weights_spec
+from poslab.train.parallel import launched_as_rank_zero
 from poslab.train.provenance import data_difference
 from poslab.train.rundir import init_difference, load_saved_config
 from poslab.errors import PoslabError
@@ -99,7 +100,7 @@ def ensure_run(config: dict[str, Any], out: Path, log: Callable[[str], None],
     log(f"  training {out.name}: {cfg.model.to_dict().get('positional', {}).get('name', cfg.model.to_dict()['arch'])}"
         f", {cfg.train.steps} steps")
     metrics = train(cfg, out, resume=resume, overwrite=not resume and exists, stop_between_steps=stop_between_steps)
-    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one writer
+    if launched_as_rank_zero():  # under torchrun, one writer
         tmp = out / f".{FINAL}.tmp"
         tmp.write_text(json.dumps(metrics, default=float))
         tmp.replace(out / FINAL)

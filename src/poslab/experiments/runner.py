@@ -33,7 +33,7 @@ from poslab.experiments.claims import Claim
 from poslab.experiments.common import ensure_runs, first_trained_otherwise, train_ahead
 from poslab.files import atomic_write_text
 from poslab.train.lock import LOCK_FILE, RunLock
-from poslab.train.parallel import Parallel
+from poslab.train.parallel import Parallel, launched_as_rank_zero
 
 SCALES = ("quick", "paper", "smoke")  # smoke: seconds-long runs that exercise a recipe in tests
 SCALE_FILE = "scale.json"
@@ -186,7 +186,7 @@ def reproduce(names: list[str], scale: str, out: str | Path, force: bool = False
     check_scale(scale)
     names = resolve(names)
     out = Path(out)
-    if not _is_main():
+    if not launched_as_rank_zero():
         log = lambda _: None  # noqa: E731  (other ranks stay silent)
     check_writable(out)
     if (out / "config.yaml").is_file() and (out / "checkpoints").is_dir():
@@ -198,7 +198,7 @@ def reproduce(names: list[str], scale: str, out: str | Path, force: bool = False
     # Two reproductions into one DIR would train the same runs side by side and overwrite each other's
     # results.json; rank 0 holds DIR/.lock for the whole reproduction (torchrun stops the other ranks if it
     # refuses).
-    lock = RunLock(out) if _is_main() else None
+    lock = RunLock(out) if launched_as_rank_zero() else None
     if lock is not None:
         left_by = lock.acquire()
         if left_by:
@@ -251,7 +251,7 @@ def finished_at_scale(out: Path, scale: str, log: Callable[[str], None]) -> dict
 def _mark_scale(out: Path, scale: str) -> bool:
     """Name the scale of the trainings about to start in a fresh ``out``; whether it did. Not in a directory
     that recipes wrote before the marker existed: what it holds is unknown, and a wrong marker would lock it."""
-    if _is_main() and not (out / SCALE_FILE).exists() and not any((out / name).exists() for name in RECIPES):
+    if launched_as_rank_zero() and not (out / SCALE_FILE).exists() and not any((out / name).exists() for name in RECIPES):
         write_json(out / SCALE_FILE, {"scale": scale})
         return True
     return False
@@ -302,7 +302,7 @@ def _run_recipes(names: list[str], scale: str, out: Path, force: bool, log: Call
         if marked:
             _unmark_if_empty(out)
         raise
-    if _is_main():
+    if launched_as_rank_zero():
         _write_all(out, scale, recipes, jobs)
     return recipes
 
@@ -312,7 +312,7 @@ def _run_recipe(name: str, module: Any, recipes: dict[str, Any], scale: str, out
     """Run recipe ``name`` (its ``module``) and record its result in ``recipes``, result.json and the report."""
     fn = RECIPES[name][0].split(":")[1]
     log(f"[{name}] running at {scale} scale: {RECIPES[name][1]}")
-    if not _is_main():  # the other ranks only train (data-parallel with rank 0); rank 0 analyses and writes
+    if not launched_as_rank_zero():  # the other ranks only train (data-parallel with rank 0); rank 0 analyses and writes
         ensure_runs(module.runs(scale, out / name), log)
         return
     start = time.perf_counter()
@@ -330,10 +330,6 @@ def _run_recipe(name: str, module: Any, recipes: dict[str, Any], scale: str, out
 
 def _now() -> str:
     return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-
-
-def _is_main() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0
 
 
 def _write_all(out: Path, scale: str, recipes: dict[str, Any], jobs: int) -> None:

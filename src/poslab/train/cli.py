@@ -7,11 +7,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 
 from poslab.arguments import output_argument
 from poslab.train import load_config, train
 from poslab.train.checkpoint import saved_step
+from poslab.train.parallel import launched_as_rank_zero
 from poslab.train.stopping import terminate_as_interrupt
 
 
@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         step = saved_step(args.out, log=lambda _: None)
         raise KeyboardInterrupt(f"the run in {args.out} resumes from its checkpoint at step {step} with --resume"
                                 if step else f"no checkpoint of the run in {args.out} was saved yet") from None
-    if int(os.environ.get("RANK", 0)) == 0:  # one summary line, not one per torchrun process
+    if launched_as_rank_zero():  # one summary line, not one per torchrun process
         # JSON has no NaN or infinity (Python would write a bare NaN that other parsers refuse): null instead,
         # e.g. tokens_per_s of a resumed run that had no step left to train.
         summary = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in final.items()}

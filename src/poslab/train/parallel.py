@@ -23,6 +23,12 @@ from torch.nn.parallel import DistributedDataParallel
 from poslab.errors import ConfigError
 
 
+def launched_as_rank_zero() -> bool:
+    """Whether this process is rank 0 of its torchrun job, or runs alone: the one that prints a line or writes a
+    file meant once, also before a process group exists or after it is gone (torchrun's RANK)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 @dataclass
 class Parallel:
     rank: int
