@@ -35,8 +35,8 @@ def section(data: dict, out: str) -> str:
         "indirect indexing 1,600 steps instead of 2,000, for margin in the 20-minute budget (six runs of the same work "
         "took 1020-1220 s on this machine before): its two values moved and held (PoPE 71.7% vs RoPE 52.6% over the "
         "three seeds, against 79.1% vs 65.2%), as the search over nine seeds had them (twenty-fourth session); the "
-        "other 31 values equal the twenty-third session's to the last digit (a first run on this session's code, "
-        "before its last change, a tokenizer fix, gave the same 33 values in 1094 s).",
+        "other 31 values equal the twenty-third session's to the last digit (two runs on this session's code before "
+        "its last changes, a tokenizer fix and a refactor, gave the same 33 values in 1094 and 1117 s).",
         "", *summary_table(data), ""])
 
 
