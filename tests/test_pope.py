@@ -8,6 +8,7 @@ import poslab
 from poslab.errors import InputError
 from poslab.functional import pope_attention, pope_frequencies, pope_polar, pope_scores
 from poslab.models import ActivationCache
+from poslab.positional import AttentionGeometry, PositionalConfig, build_positional
 
 
 def explicit_attention(q, k, v, delta, causal, scale):
@@ -40,6 +41,27 @@ def test_cartesian_form_equals_polar_score():
     pos = torch.arange(9)
     cart = pope_polar(q, pos, theta) @ pope_polar(k, pos, theta, delta).transpose(-1, -2)
     torch.testing.assert_close(cart, pope_scores(q, k, delta), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("d,n", [(8, 1), (16, 9), (64, 100)])
+def test_the_layer_matches_x_transformers_polar_embedding(d, n):
+    """x-transformers' PolarEmbedding (one delta shared by its layers, the same frequencies and clamp) is an
+    implementation written apart from ours: a PoPE layer's q~.k~ logits equal its own, delta included."""
+    from x_transformers.x_transformers import PolarEmbedding, apply_polar_pos_emb
+
+    heads = 3
+    theirs = PolarEmbedding(d, heads)
+    _, layers = build_positional(PositionalConfig("pope"), AttentionGeometry(1, heads, d, heads * d, 128, True))
+    ours = layers[0]
+    with torch.no_grad():  # its bias_uniform_init fails in 2.31 (an in-place op on a leaf): drawn here
+        theirs.learned_bias.uniform_(-2 * math.pi, 0.0)
+        ours.raw_delta.copy_(theirs.learned_bias[:, 0])
+    q, k = torch.randn(2, heads, n, d), torch.randn(2, heads, n, d)
+    pos = torch.arange(n)[None] + 7
+    freqs, bias = theirs(pos)  # (1, n, d) and (heads, 1, d): its attention adds them for the keys
+    expected = apply_polar_pos_emb(q, freqs) @ apply_polar_pos_emb(k, freqs + bias).transpose(-1, -2)
+    q2, k2 = ours.transform_qk(q, k, pos, pos)
+    torch.testing.assert_close(q2 @ k2.transpose(-1, -2), expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("causal", [False, True])

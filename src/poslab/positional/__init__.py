@@ -13,6 +13,7 @@ from poslab.positional.pope import PoPE
 from poslab.positional.relative_bias import T5RelativeBias
 from poslab.positional.rope import RoPE
 from poslab.positional.sinusoidal import Sinusoidal
+from poslab.positional.xpos import XPos
 
 SCHEMES: dict[str, type[Scheme]] = {
     "nope": NoPE,
@@ -22,6 +23,7 @@ SCHEMES: dict[str, type[Scheme]] = {
     "t5": T5RelativeBias,
     "alibi": ALiBi,
     "pope": PoPE,
+    "xpos": XPos,
 }
 
 

@@ -149,6 +149,8 @@ class Scheme(abc.ABC):
     #: Attention logits depend on positions only through their differences: shifting every position changes
     #: nothing (RoPE, PoPE, T5, ALiBi; NoPE trivially), where absolute schemes' do change.
     relative: ClassVar[bool] = False
+    #: Builds only into causal models (xPos, whose factor grows toward later keys); encoders refuse it.
+    causal_only: ClassVar[bool] = False
 
     @classmethod
     @abc.abstractmethod

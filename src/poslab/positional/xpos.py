@@ -1,0 +1,143 @@
+"""xPos (Sun et al. 2023, "A Length-Extrapolatable Transformer"): RoPE whose rotations also decay.
+
+Each frequency pair i of a head (i < d/2, RoPE's half-split layout and frequencies base^(-2i/d)) gets a decay
+rate zeta_i = (2i/d + gamma) / (1 + gamma), gamma = 0.4: the query at position t is rotated and scaled by
+zeta_i^((t - c) / scale_base), the key at s rotated and scaled by zeta_i^(-(s - c) / scale_base), so their
+product carries zeta_i^((t - s) / scale_base) -- a decay with distance that is strongest at the fastest
+frequencies (i = 0), whose rotations are the least stable to extrapolate, and nearly absent at the slowest.
+The logits depend on t - s only: xPos is relative.
+
+The centre c cancels in every logit; it only sets where the scales are 1. The reference implementations
+(torchscale, x-transformers) centre each call at half its length, which would change a cached key's scale
+between decoding steps; here c is fixed (default half the model's max_seq_len), so a key's transform depends
+on its own position only, as a KV cache needs. Scales are computed in fp32 and grow as e^(|p - c| * 1.25 /
+scale_base) at the fastest frequency: a model whose positions lie within 64 x scale_base of c stays inside
+fp32's (and bf16's) range, which build checks for max_seq_len. float16 holds only ~4.5 x scale_base either
+side; fp16 inputs whose positions reach past that are refused in one line instead of overflowing to inf.
+
+Only causal models: for a key after its query the factor grows with distance instead of decaying, which is
+why the reference implementations refuse bidirectional attention too.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from poslab.errors import ConfigError, require
+from poslab.positional.base import AttentionGeometry, LayerPositional, Scheme
+from poslab.positional.options import options_dataclass
+from poslab.positional.rope import rope_cos_sin, rotate_half
+
+# |log scale| a float32 or bfloat16 tensor holds with room for a q.k product of unit-sized entries (e^80 ~ 5e34).
+FP32_LOG_RANGE = 80.0
+FP16_LOG_RANGE = math.log(torch.finfo(torch.float16).max) - 1.0
+
+
+@options_dataclass
+class XPosOptions:
+    scheme = "xpos"
+    base: float = 10000.0
+    #: Positions per unit of the decay's exponent: larger = slower decay with distance.
+    scale_base: float = 512.0
+    #: zeta_i = (2i/d + gamma) / (1 + gamma): the fastest pair decays at gamma / (1 + gamma) per scale_base.
+    gamma: float = 0.4
+    #: The position whose scales are 1; None = max_seq_len // 2.
+    center: int | None = None
+
+    def __post_init__(self) -> None:
+        require(self.base > 1, f"xpos.base must be > 1, got {self.base}")
+        require(self.scale_base > 0, f"xpos.scale_base must be > 0, got {self.scale_base}")
+        require(self.gamma > 0, f"xpos.gamma must be > 0 (gamma / (1 + gamma) is the fastest pair's decay), "
+                                f"got {self.gamma}")
+        require(self.center is None or self.center >= 0, f"xpos.center must be >= 0, got {self.center}")
+
+
+def fastest_log_decay(gamma: float) -> float:
+    """-log zeta_0, the fastest pair's decay per scale_base, from Python numbers (models built on the meta
+    device have no values to read)."""
+    return math.log((1 + gamma) / gamma)
+
+
+def xpos_zeta(head_dim: int, gamma: float) -> torch.Tensor:
+    """Per-pair decay rates (head_dim/2,) fp32, in (0, 1): (2i/d + gamma) / (1 + gamma)."""
+    return (torch.arange(0, head_dim, 2, dtype=torch.float32) + gamma * head_dim) / ((1 + gamma) * head_dim)
+
+
+class XPosLayer(LayerPositional):
+    """Rotates q and k as RoPE does and scales them by opposite powers of zeta; parameter-free, so one
+    instance serves every layer."""
+
+    fp32_tables = ("inv_freq", "log_zeta")
+
+    def __init__(self, opts: XPosOptions, head_dim: int, center: int) -> None:
+        super().__init__()
+        self.opts, self.head_dim, self.center = opts, head_dim, center
+        self.register_buffer("inv_freq", torch.empty(head_dim // 2), persistent=False)
+        self.register_buffer("log_zeta", torch.empty(head_dim // 2), persistent=False)
+        self.init_weights(0.0, 0.0)
+
+    def init_weights(self, mean: float, std: float) -> None:
+        # Buffers are not saved; a model built on the meta device (from_pretrained) recomputes them here.
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
+        with torch.no_grad():
+            self.inv_freq.copy_(1.0 / self.opts.base**exponents)
+            self.log_zeta.copy_(xpos_zeta(self.head_dim, self.opts.gamma).log())
+
+    def scales(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions (batch, n) -> zeta^((p - c) / scale_base), (batch, 1, n, head_dim) fp32, both halves of a pair alike."""
+        power = (positions.to(torch.float32) - self.center) / self.opts.scale_base
+        scale = torch.exp(power[..., None] * self.log_zeta.to(positions.device))
+        return torch.cat((scale, scale), dim=-1)[:, None]
+
+    def transform_qk(self, q, k, q_pos, k_pos):
+        if q.dtype == torch.float16:
+            self._check_fp16_range(q_pos, k_pos)
+        cos_q, sin_q = rope_cos_sin(self.inv_freq, q_pos, 1.0)
+        cos_k, sin_k = (cos_q, sin_q) if k_pos is q_pos else rope_cos_sin(self.inv_freq, k_pos, 1.0)
+        return self.rotate(q, cos_q, sin_q, self.scales(q_pos)), self.rotate(k, cos_k, sin_k, 1 / self.scales(k_pos))
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """x (batch, heads, n, d); cos, sin, scale (batch, 1, n, d) -> (batch, heads, n, d) in x's dtype."""
+        # At least fp32, as RoPE rotates: half-precision rotations drift at large positions; fp64 stays fp64.
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        return ((wide * cos + rotate_half(wide) * sin) * scale).to(x.dtype)
+
+    def _check_fp16_range(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> None:
+        if q_pos.is_meta or k_pos.is_meta:
+            return
+        far = max(int((q_pos - self.center).abs().max()), int((k_pos - self.center).abs().max()))
+        reach = FP16_LOG_RANGE * self.opts.scale_base / fastest_log_decay(self.opts.gamma)
+        if far > reach:
+            raise ConfigError(f"xpos scales at positions {far} from their centre ({self.center}) overflow float16, "
+                              f"which holds {int(reach)}: run in bfloat16 or float32, or raise xpos.scale_base")
+
+    def qk_frequency_norms(self, q, k):
+        """2-norm of each raw pair (i, i + d/2): (..., d/2) for q and k."""
+        def pair_norms(x: torch.Tensor) -> torch.Tensor:
+            a, b = x.float().chunk(2, dim=-1)
+            return torch.sqrt(a * a + b * b)
+        return pair_norms(q), pair_norms(k)
+
+
+class XPos(Scheme):
+    name = "xpos"
+    relative = True
+    causal_only = True
+    Options = XPosOptions
+
+    @classmethod
+    def build(cls, options: XPosOptions, geometry: AttentionGeometry):
+        require(geometry.causal, "xpos needs a causal model (arch: decoder): toward later keys its factor grows "
+                                 "with distance instead of decaying; use rope for encoders")
+        require(geometry.head_dim % 2 == 0, f"xpos needs an even head dim, got {geometry.head_dim}; change "
+                                            f"d_model or n_heads")
+        center = geometry.max_seq_len // 2 if options.center is None else options.center
+        reach = FP32_LOG_RANGE * options.scale_base / fastest_log_decay(options.gamma)
+        far = max(center, geometry.max_seq_len - 1 - center)
+        require(far <= reach,
+                f"xpos scales at positions {far} from their centre ({center}) leave float32's range, which holds "
+                f"{int(reach)} with xpos.scale_base {options.scale_base:g}: raise xpos.scale_base to at least "
+                f"{math.ceil(options.scale_base * far / reach)}")
+        return None, [XPosLayer(options, geometry.head_dim, center)] * geometry.n_layers

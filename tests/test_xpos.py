@@ -1,0 +1,161 @@
+"""xPos: parity with x-transformers' implementation, the decay it defines, and what it refuses."""
+import math
+
+import pytest
+import torch
+from x_transformers.x_transformers import RotaryEmbedding, apply_rotary_pos_emb
+
+import poslab
+from poslab.errors import ConfigError
+from poslab.positional import AttentionGeometry, PositionalConfig, build_positional
+from poslab.positional.xpos import XPosOptions, xpos_zeta
+
+
+def xpos_layer(head_dim=16, max_seq_len=64, **options):
+    _, layers = build_positional(PositionalConfig("xpos", options),
+                                 AttentionGeometry(2, 2, head_dim, 2 * head_dim, max_seq_len, True))
+    assert layers[0] is layers[1]  # parameter-free: one module for every layer
+    return layers[0]
+
+
+def half_split(x):
+    """x-transformers pairs channels (2i, 2i+1); poslab (as Llama) pairs (i, i + d/2): the same channels reordered."""
+    d = x.shape[-1]
+    order = torch.stack((torch.arange(d // 2), torch.arange(d // 2) + d // 2), dim=-1).reshape(-1)
+    return x[..., order]
+
+
+@pytest.mark.parametrize("head_dim,n", [(8, 1), (16, 7), (64, 40), (32, 300)])
+def test_rotated_and_scaled_q_and_k_match_x_transformers(head_dim, n):
+    q, k = torch.randn(1, 3, n, head_dim), torch.randn(1, 3, n, head_dim)
+    pos = torch.arange(n)[None]
+    # x-transformers centres each call's scales at half its length; give poslab the same centre
+    ours_q, ours_k = xpos_layer(head_dim, center=n // 2).transform_qk(q, k, pos, pos)
+    freqs, scale = RotaryEmbedding(head_dim, use_xpos=True, scale_base=512)(torch.arange(n))
+    theirs_q = apply_rotary_pos_emb(half_split(q), freqs, scale)
+    theirs_k = apply_rotary_pos_emb(half_split(k), freqs, scale**-1)
+    torch.testing.assert_close(half_split(ours_q), theirs_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(half_split(ours_k), theirs_k, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scale_base,gamma", [(512.0, 0.4), (16.0, 0.4), (8.0, 1.5)])
+def test_logits_are_rope_decayed_by_zeta_to_the_distance(scale_base, gamma):
+    """q.k = sum_i zeta_i^((t - s) / scale_base) Re[z_q,i conj(z_k,i) e^(i (t - s) theta_i)], pair i as the
+    complex number z = x_i + i x_(i + d/2): computed here in complex float64, apart from the implementation."""
+    d, n = 16, 24
+    q, k = torch.randn(2, 2, n, d, dtype=torch.float64), torch.randn(2, 2, n, d, dtype=torch.float64)
+    pos = torch.arange(n)[None] + torch.tensor([[0], [5]])  # two rows at different offsets
+    layer = xpos_layer(d, scale_base=scale_base, gamma=gamma)
+    q2, k2 = layer.transform_qk(q, k, pos, pos)
+    ours = q2 @ k2.transpose(-1, -2)
+
+    theta = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    zeta = (2 * torch.arange(d // 2, dtype=torch.float64) / d + gamma) / (1 + gamma)
+    zq, zk = torch.complex(*q.chunk(2, -1)), torch.complex(*k.chunk(2, -1))
+    dist = (pos[:, :, None] - pos[:, None, :]).double()[:, None, :, :, None]  # (batch, 1, t, s, 1)
+    terms = zq[:, :, :, None] * zk[:, :, None].conj() * torch.exp(1j * dist * theta)
+    expected = (zeta ** (dist / scale_base) * terms.real).sum(-1)
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_centre_cancels_in_every_logit():
+    q, k = torch.randn(1, 2, 30, 16), torch.randn(1, 2, 30, 16)
+    pos = torch.arange(30)[None]
+
+    def logits(center):
+        q2, k2 = xpos_layer(center=center).transform_qk(q, k, pos, pos)
+        return q2 @ k2.transpose(-1, -2)
+
+    for center in (17, 32, 200):  # the scales are fp32: equal to fp32's precision
+        torch.testing.assert_close(logits(center), logits(0), rtol=1e-5, atol=1e-5)
+
+
+def test_a_cached_key_keeps_the_transform_it_was_cached_with():
+    """A key's transform depends on its own position only: keys transformed one call at a time (as a KV cache
+    holds them) equal the same keys transformed in one call."""
+    layer = xpos_layer()
+    q, k = torch.randn(1, 2, 12, 16), torch.randn(1, 2, 12, 16)
+    pos = torch.arange(12)[None]
+    _, whole = layer.transform_qk(q, k, pos, pos)
+    parts = [layer.transform_qk(q[:, :, i:i + 1], k[:, :, i:i + 1], pos[:, i:i + 1], pos[:, i:i + 1])[1]
+             for i in range(12)]
+    torch.testing.assert_close(torch.cat(parts, dim=2), whole, rtol=0, atol=0)
+
+
+def test_distant_keys_decay_fastest_at_the_fastest_frequency():
+    zeta = xpos_zeta(64, 0.4)
+    assert zeta[0] == pytest.approx(0.4 / 1.4) and bool((zeta.diff() > 0).all()) and float(zeta[-1]) < 1
+
+
+def test_gradients_reach_q_and_k():
+    layer = xpos_layer(8, scale_base=8.0)
+    pos = torch.arange(5)[None] + 3
+
+    def logits(q, k):
+        q2, k2 = layer.transform_qk(q, k, pos, pos)
+        return q2 @ k2.transpose(-1, -2)
+
+    q = torch.randn(1, 1, 5, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 1, 5, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(logits, (q, k))
+
+
+def test_a_decoder_with_xpos_learns():
+    torch.manual_seed(0)
+    m = poslab.build_model({"arch": "decoder", "vocab_size": 16, "d_model": 32, "n_heads": 2, "n_layers": 2,
+                            "max_seq_len": 32, "positional": {"name": "xpos", "options": {"scale_base": 32}}})
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+    x = torch.arange(32).remainder(7)[None].repeat(4, 1)  # a period-7 pattern: needs position to predict
+    losses = []
+    for _ in range(40):
+        loss = m(x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.3 * losses[0]
+
+
+def test_an_encoder_refuses_xpos_in_one_line():
+    with pytest.raises(ConfigError, match=r"xpos needs a causal model \(arch: decoder\).*use rope for encoders"):
+        poslab.build_model({"arch": "encoder", "vocab_size": 16, "d_model": 32, "n_heads": 2, "n_layers": 1,
+                            "max_seq_len": 32, "positional": {"name": "xpos"}})
+
+
+def test_a_context_past_float32s_range_is_refused_with_the_scale_base_that_fits():
+    with pytest.raises(ConfigError, match=r"leave float32's range.*raise xpos.scale_base to at least (\d+)") as err:
+        xpos_layer(max_seq_len=200_000, scale_base=512)
+    fits = int(str(err.value).rsplit(" ", 1)[1])
+    xpos_layer(max_seq_len=200_000, scale_base=fits)  # the suggested value builds
+    with pytest.raises(ConfigError):
+        xpos_layer(max_seq_len=200_000, scale_base=fits - 10)
+
+
+def test_float16_past_its_range_is_refused_and_bfloat16_there_stays_finite():
+    layer = xpos_layer(max_seq_len=8192, scale_base=128.0)  # scales are 1 at position 4096
+    q, k = torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16)
+    far, near = torch.arange(6)[None], torch.arange(4090, 4096)[None]  # e^(4096 * 1.25 / 128) >> 65504
+    with pytest.raises(ConfigError, match="overflow float16.*run in bfloat16 or float32, or raise xpos.scale_base"):
+        layer.transform_qk(q.half(), k.half(), far, far)
+    for dtype, pos in ((torch.bfloat16, far), (torch.float16, near)):
+        q2, k2 = layer.transform_qk(q.to(dtype), k.to(dtype), pos, pos)
+        assert bool(torch.isfinite(q2).all() and torch.isfinite(k2).all())
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"scale_base": 0}, "xpos.scale_base must be > 0"),
+    ({"gamma": -0.1}, "xpos.gamma must be > 0"),
+    ({"base": 1.0}, "xpos.base must be > 1"),
+    ({"center": -3}, "xpos.center must be >= 0"),
+    ({"scale": 512}, "unknown"),
+])
+def test_bad_options_are_refused_in_one_line(options, message):
+    with pytest.raises(ConfigError, match=message):
+        XPosOptions(**options)
+
+
+def test_frequency_norms_are_the_raw_pairs():
+    q = torch.zeros(1, 1, 1, 8)
+    q[..., 1], q[..., 5] = 3.0, 4.0  # pair 1 is channels (1, 5)
+    norms, _ = xpos_layer(8).qk_frequency_norms(q, q)
+    assert norms.flatten().tolist() == [0.0, 5.0, 0.0, 0.0] and not math.isnan(norms.sum())
