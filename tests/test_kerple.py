@@ -1,5 +1,6 @@
 """KERPLE: the log and power kernels against a loop over positions, gradients to r1 and r2, the clamps after an
 optimizer pushes past them, the paper's init, options, a tiny decoder that learns, and DSTG's relative term."""
+import json
 import math
 
 import numpy as np
@@ -8,6 +9,7 @@ import torch
 
 import poslab
 from poslab.errors import ConfigError
+from poslab.experiments import plan as planning
 from poslab.models import ActivationCache
 from poslab.models.dstg_config import RP_SCHEMES
 from poslab.positional import SCHEMES, AttentionGeometry, PositionalConfig, build_positional
@@ -201,3 +203,37 @@ def test_dstg_takes_kerple_as_its_relative_term():
     pos = torch.arange(9)[None]
     for i, layer in enumerate(rp):
         torch.testing.assert_close(cache[f"blocks.{i}.attn.logits.rp"], layer.logit_bias(pos, pos).expand(2, -1, -1, -1))
+
+
+def test_plan_counts_a_kerple_model_on_the_meta_device():
+    """--plan runs forward on the meta device: the bias must not read values there. The count is the standard
+    one (tests/test_plan.py): 6 n M + 12 L n^2 d."""
+    n_layers, width, n = 2, 64, 24
+    config = {"arch": "decoder", "vocab_size": 100, "d_model": width, "n_layers": n_layers, "n_heads": 4,
+              "max_seq_len": 64, "mlp": "swiglu", "positional": {"name": "kerple", "options": {"variant": "power"}}}
+    model = poslab.build_model(config)
+    matmul = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and name != "model.embed.weight")
+    parameters, flops = planning._count(json.dumps(config, sort_keys=True), n)
+    assert parameters == model.num_parameters()
+    assert flops == 6 * n * matmul + 12 * n_layers * n * n * width
+
+
+def test_activation_checkpointing_keeps_the_gradients():
+    """The clamp writes nothing, so a block run again in the backward pass gives the same r1 and r2 gradients."""
+    torch.manual_seed(0)
+    model = poslab.build_model({"arch": "decoder", "vocab_size": 20, "d_model": 32, "n_layers": 2, "n_heads": 4,
+                                "max_seq_len": 16, "positional": {"name": "kerple"}}).train()
+    ids = torch.randint(0, 20, (2, 12))
+
+    def grads():
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if "raw_r" in name}
+
+    plain = grads()
+    with pytest.warns(FutureWarning):  # transformers 5 renamed it activation_checkpointing_enable
+        model.gradient_checkpointing_enable()
+    again = grads()
+    assert plain.keys() == again.keys() and len(plain) == 4
+    for name in plain:
+        torch.testing.assert_close(again[name], plain[name], rtol=1e-6, atol=1e-7)
