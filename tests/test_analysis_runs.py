@@ -21,6 +21,7 @@ from poslab.analysis.runs import Run, by_depth, layer_of, stream_of
 from poslab.analysis.similarity import sequence_adjacency
 from poslab.errors import CheckpointError, ConfigError, DataError, PoslabError
 from poslab.models import ActivationCache, build_model
+from poslab.positional import SCHEMES
 from poslab.train import RunConfig, train
 
 
@@ -327,9 +328,10 @@ def test_bad_input_errors(runs, tmp_path):
     _one_line(err.value)
     cases = [(("spectra", "--run", str(runs / "rope")), ConfigError, "absolute-position table"),
              (("frequencies", "--run", str(runs / "learned"), "--sequences", "8"), ConfigError,
-              r"rotary frequencies \(rope, pope\)"),  # the schemes found in the registry, not a list kept by hand
+              r"rotary frequencies \(rope, pope, xpos\)"),  # the schemes found in the registry, not a list kept by hand
              (("heads", "--run", str(runs / "rope"), "--sequences", "8"), ConfigError,
-              r"only 'content' \(models with positional t5 or alibi add 'bias'"),
+              r"only 'content' \(models with positional "  # the bias-only schemes in the registry, in its order
+              + " or ".join(name for name, scheme in SCHEMES.items() if scheme.bias_only) + " add 'bias'"),
              (("probes", "--run", str(runs / "rope"), "--sequences", "2"), DataError, "too few sequences"),
              (("adjacncy", "--run", str(runs / "rope")), ConfigError, "did you mean 'adjacency'"),
              (("probes", "--run", str(runs / "rope"), "--targets", "sentence_index"), ConfigError, "offers: position"),

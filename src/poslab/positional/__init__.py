@@ -8,6 +8,7 @@ from poslab.errors import lookup
 from poslab.positional.absolute import LearnedAbsolute
 from poslab.positional.alibi import ALiBi
 from poslab.positional.base import AttentionGeometry, InputPositional, LayerPositional, PositionalConfig, Scheme
+from poslab.positional.kerple import KERPLE
 from poslab.positional.nope import NoPE
 from poslab.positional.pope import PoPE
 from poslab.positional.relative_bias import T5RelativeBias
@@ -24,6 +25,7 @@ SCHEMES: dict[str, type[Scheme]] = {
     "alibi": ALiBi,
     "pope": PoPE,
     "xpos": XPos,
+    "kerple": KERPLE,
 }
 
 
