@@ -8,6 +8,7 @@ from poslab.errors import lookup
 from poslab.positional.absolute import LearnedAbsolute
 from poslab.positional.alibi import ALiBi
 from poslab.positional.base import AttentionGeometry, InputPositional, LayerPositional, PositionalConfig, Scheme
+from poslab.positional.fire import FIRE
 from poslab.positional.nope import NoPE
 from poslab.positional.pope import PoPE
 from poslab.positional.relative_bias import T5RelativeBias
@@ -22,6 +23,7 @@ SCHEMES: dict[str, type[Scheme]] = {
     "t5": T5RelativeBias,
     "alibi": ALiBi,
     "pope": PoPE,
+    "fire": FIRE,
 }
 
 
