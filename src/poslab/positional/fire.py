@@ -114,7 +114,7 @@ class FIREBias(LayerPositional):
     def inputs(self, q_pos: torch.Tensor, k_pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """q_pos (batch, n), k_pos (batch, m) -> f_theta's inputs (batch, n, m): the normalised distances."""
         i = q_pos[:, :, None].to(dtype)  # (batch, n, 1)
-        rel = i - k_pos[:, None, :].to(dtype)  # i - j, (batch, n, m)
+        rel = (q_pos[:, :, None] - k_pos[:, None, :]).to(dtype)  # i - j, (batch, n, m); exact in integers first
         c = self.c(dtype)
         # L is floored at 1: psi(max(L, 0)) = 0 would divide a query at position 0 by zero (a padded token's
         # negative position falls back to L too)
