@@ -16,7 +16,7 @@ Following the paper (as recalled here, the paper not being at hand to check):
 - the formula above, with psi(x) = log(c x + 1) and the normalisation by psi(max(L, i));
 - f_theta an MLP with one hidden layer of 32 ReLU units and one output per head (``hidden``);
 - c and L learnable scalars, c initialised to 0.1 (``c_init``), L to 512 (``threshold_init``);
-- one FIRE module per layer (no sharing across layers).
+- one FIRE module per layer, the paper's default (its layer-shared variant, FIRE-S as recalled, is not offered).
 
 poslab's choices:
 - c = softplus(raw_c) (raw_c a free parameter initialised to softplus^-1(c_init)) keeps c > 0, and it is
@@ -33,11 +33,13 @@ poslab's choices:
   sign(i - j) psi(|i - j|) / psi(max(L, i)), so the MLP can tell past from future;
 - a causal model's future keys (j > i, masked by attention) get the distance 0: their bias is never used,
   but psi of a negative distance would be the log of a negative number, and a NaN there poisons gradients;
-- the bias is computed in at least fp32 (the parameters are upcast after a model.to(bf16)), as ALiBi's and
-  T5's are, and attention casts it to the logits' dtype.
+- the bias is computed in at least fp32 (the parameters are upcast after a model.to(bf16)), and
+  attention casts it to the logits' dtype (ALiBi's is fp32 too; T5's follows its table's dtype).
 
 Not shift-invariant (``relative = False``): past L a query's distances are divided by its own psi(i).
-Cost: the MLP runs on every (query, key) pair, a (batch, n, m, hidden) activation per layer.
+Cost: the MLP runs on every (query, key) pair, a (batch, n, m, hidden) activation per layer (batch is 1 when
+the positions are the model's default arange). ``--plan``'s FLOP counter sees its hidden -> heads matmul,
+2 n m hidden heads per layer forward; the 1 -> hidden layer is a broadcast, elementwise work it does not count.
 """
 from __future__ import annotations
 
