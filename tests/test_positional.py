@@ -210,6 +210,11 @@ def test_a_scheme_names_itself_once(name):
         scheme.Options(no_such_option_anywhere=1)
 
 
+# Options under which five short positions show what a scheme is: FIRE is relative below its threshold L
+# (512 by default), and only a query past L sees its distances normalised by its own position.
+REVEALING_OPTIONS = {"fire": {"threshold_init": 1.0}}
+
+
 @pytest.mark.parametrize("name", sorted(SCHEMES))
 def test_scheme_capabilities_say_what_the_scheme_does(name):
     """bias_only (what DSTG accepts as its relative term), context_scaling (what extrapolation rescales) and
@@ -217,7 +222,7 @@ def test_scheme_capabilities_say_what_the_scheme_does(name):
     the scheme."""
     scheme = SCHEMES[name]
     geometry = AttentionGeometry(n_layers=2, n_heads=2, head_dim=8, d_model=16, max_seq_len=16, causal=True)
-    input_pos, layers = build_positional(PositionalConfig(name), geometry)
+    input_pos, layers = build_positional(PositionalConfig(name, REVEALING_OPTIONS.get(name, {})), geometry)
     q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
     pos = torch.arange(5)[None]
     layer = layers[0]

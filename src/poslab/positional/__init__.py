@@ -8,6 +8,7 @@ from poslab.errors import lookup
 from poslab.positional.absolute import LearnedAbsolute
 from poslab.positional.alibi import ALiBi
 from poslab.positional.base import AttentionGeometry, InputPositional, LayerPositional, PositionalConfig, Scheme
+from poslab.positional.fire import FIRE
 from poslab.positional.kerple import KERPLE
 from poslab.positional.nope import NoPE
 from poslab.positional.pope import PoPE
@@ -26,6 +27,7 @@ SCHEMES: dict[str, type[Scheme]] = {
     "pope": PoPE,
     "xpos": XPos,
     "kerple": KERPLE,
+    "fire": FIRE,
 }
 
 
