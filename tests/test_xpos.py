@@ -142,6 +142,20 @@ def test_float16_past_its_range_is_refused_and_bfloat16_there_stays_finite():
         assert bool(torch.isfinite(q2).all() and torch.isfinite(k2).all())
 
 
+def test_positions_past_float32s_range_are_refused_with_the_scale_base_that_fits():
+    """Past max_seq_len (generation, extrapolation) positions are checked when they arrive, a fresh tensor each time."""
+    layer = xpos_layer(max_seq_len=64, scale_base=8.0)  # float32 holds ~510 positions either side of 32
+    q, k = torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16)
+    fine = torch.arange(500, 503)[None]
+    assert bool(torch.isfinite(torch.cat(layer.transform_qk(q, k, fine, fine))).all())
+    far = torch.arange(600, 603)[None]
+    with pytest.raises(ConfigError, match=r"positions 570 from their centre \(32\) overflow float32, which holds 510: "
+                                          r"raise xpos.scale_base to at least 9"):
+        layer.transform_qk(q, k, far, far)
+    wider = xpos_layer(max_seq_len=64, scale_base=9.0)  # the value suggested
+    assert bool(torch.isfinite(torch.cat(wider.transform_qk(q, k, far, far))).all())
+
+
 @pytest.mark.parametrize("options,message", [
     ({"scale_base": 0}, "xpos.scale_base must be > 0"),
     ({"gamma": -0.1}, "xpos.gamma must be > 0"),

@@ -12,8 +12,9 @@ The centre c cancels in every logit; it only sets where the scales are 1. The re
 between decoding steps; here c is fixed (default half the model's max_seq_len), so a key's transform depends
 on its own position only, as a KV cache needs. Scales are computed in fp32 and grow as e^(|p - c| * 1.25 /
 scale_base) at the fastest frequency: a model whose positions lie within 64 x scale_base of c stays inside
-fp32's (and bf16's) range, which build checks for max_seq_len. float16 holds only ~4.5 x scale_base either
-side; fp16 inputs whose positions reach past that are refused in one line instead of overflowing to inf.
+fp32's (and bf16's) range, which build checks for max_seq_len; float16 holds only ~4.5 x scale_base either
+side. Positions past what the inputs' dtype holds (a long generation, fp16) are refused in one line instead of
+overflowing to inf.
 
 Only causal models: for a key after its query the factor grows with distance instead of decaying, which is
 why the reference implementations refuse bidirectional attention too.
@@ -29,7 +30,8 @@ from poslab.positional.base import AttentionGeometry, LayerPositional, Scheme
 from poslab.positional.options import options_dataclass
 from poslab.positional.rope import rope_cos_sin, rotate_half
 
-# |log scale| a float32 or bfloat16 tensor holds with room for a q.k product of unit-sized entries (e^80 ~ 5e34).
+# |log scale| a float32 or bfloat16 tensor holds with room for a q.k product of unit-sized entries (e^80 ~ 5e34);
+# float16's is its largest value's log, less the same room.
 FP32_LOG_RANGE = 80.0
 FP16_LOG_RANGE = math.log(torch.finfo(torch.float16).max) - 1.0
 
@@ -73,6 +75,7 @@ class XPosLayer(LayerPositional):
     def __init__(self, opts: XPosOptions, head_dim: int, center: int) -> None:
         super().__init__()
         self.opts, self.head_dim, self.center = opts, head_dim, center
+        self._checked: tuple[torch.Tensor, torch.Tensor, torch.dtype] | None = None  # what _check_range read last
         self.register_buffer("inv_freq", torch.empty(head_dim // 2), persistent=False)
         self.register_buffer("log_zeta", torch.empty(head_dim // 2), persistent=False)
         self.init_weights(0.0, 0.0)
@@ -91,8 +94,7 @@ class XPosLayer(LayerPositional):
         return torch.cat((scale, scale), dim=-1)[:, None]
 
     def transform_qk(self, q, k, q_pos, k_pos):
-        if q.dtype == torch.float16:
-            self._check_fp16_range(q_pos, k_pos)
+        self._check_range(q_pos, k_pos, q.dtype)
         cos_q, sin_q = rope_cos_sin(self.inv_freq, q_pos, 1.0)
         cos_k, sin_k = (cos_q, sin_q) if k_pos is q_pos else rope_cos_sin(self.inv_freq, k_pos, 1.0)
         return self.rotate(q, cos_q, sin_q, self.scales(q_pos)), self.rotate(k, cos_k, sin_k, 1 / self.scales(k_pos))
@@ -104,14 +106,23 @@ class XPosLayer(LayerPositional):
         wide = x.to(torch.promote_types(x.dtype, torch.float32))
         return ((wide * cos + rotate_half(wide) * sin) * scale).to(x.dtype)
 
-    def _check_fp16_range(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> None:
-        if q_pos.is_meta or k_pos.is_meta:
+    def _check_range(self, q_pos: torch.Tensor, k_pos: torch.Tensor, dtype: torch.dtype) -> None:
+        """One line instead of inf and NaN logits where positions lie too far from the centre for dtype (past
+        max_seq_len, which build checked). Reading the positions syncs a GPU, so each forward's positions are read
+        once: every layer shares this module and gets the same tensors."""
+        last = self._checked
+        if q_pos.is_meta or k_pos.is_meta or (last and last[0] is q_pos and last[1] is k_pos and last[2] == dtype):
             return
+        half = dtype == torch.float16
+        reach = (FP16_LOG_RANGE if half else FP32_LOG_RANGE) * self.opts.scale_base / fastest_log_decay(self.opts.gamma)
         far = max(int((q_pos - self.center).abs().max()), int((k_pos - self.center).abs().max()))
-        reach = FP16_LOG_RANGE * self.opts.scale_base / fastest_log_decay(self.opts.gamma)
         if far > reach:
-            raise ConfigError(f"xpos scales at positions {far} from their centre ({self.center}) overflow float16, "
-                              f"which holds {int(reach)}: run in bfloat16 or float32, or raise xpos.scale_base")
+            fix = "run in bfloat16 or float32, or raise xpos.scale_base" if half else \
+                f"raise xpos.scale_base to at least {math.ceil(self.opts.scale_base * far / reach)}"
+            raise ConfigError(f"xpos scales at positions {far} from their centre ({self.center}) overflow "
+                              f"{str(dtype).removeprefix('torch.')}, which holds {int(reach)}: {fix}")
+        # The tensors themselves (a few longs), not their ids: a freed tensor's id can come back with other values.
+        self._checked = (q_pos, k_pos, dtype)
 
     def qk_frequency_norms(self, q, k):
         """2-norm of each raw pair (i, i + d/2): (..., d/2) for q and k."""
