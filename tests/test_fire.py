@@ -153,7 +153,7 @@ def test_a_learned_threshold_below_one_keeps_position_zero_finite():
                               r"got 0.5"),
     ({"learn_threshold": "yes"}, r"fire.learn_threshold must be true or false, got 'yes'"),
     ({"hiden": 8}, r"unknown option for positional scheme 'fire' 'hiden'; did you mean 'hidden'? (valid: c_init, "
-                   r"hidden, learn_threshold, threshold_init)"),
+                   r"hidden, learn_threshold, shared_across_layers, threshold_init)"),
 ])
 def test_bad_options_are_one_line_config_errors(options, message):
     with pytest.raises(ConfigError) as error:
@@ -166,6 +166,15 @@ def test_options_defaults_are_the_papers():
     assert (opts.hidden, opts.c_init, opts.threshold_init, opts.learn_threshold) == (32, 0.1, 512.0, True)
     assert F.softplus(torch.tensor(inverse_softplus(0.1), dtype=F64)).item() == pytest.approx(0.1, rel=1e-12)
     assert inverse_softplus(100.0) == pytest.approx(100.0)  # log(exp(y) - 1) would overflow nowhere near here
+
+
+def test_a_shared_fire_is_one_module_for_every_layer():
+    m = poslab.build_model({**CONFIG, "n_layers": 3, "positional": {"name": "fire", "options": {"shared_across_layers": True}}})
+    per_layer = poslab.build_model({**CONFIG, "n_layers": 3})
+    biases = [block.attn.positional for block in m.model.blocks]
+    assert biases[0] is biases[1] is biases[2]
+    fire_params = sum(p.numel() for p in biases[0].parameters())
+    assert m.num_parameters() == per_layer.num_parameters() - 2 * fire_params
 
 
 CONFIG = {"arch": "decoder", "vocab_size": 30, "d_model": 32, "n_heads": 4, "n_layers": 2, "max_seq_len": 32,

@@ -16,7 +16,8 @@ Following the paper (as recalled here, the paper not being at hand to check):
 - the formula above, with psi(x) = log(c x + 1) and the normalisation by psi(max(L, i));
 - f_theta an MLP with one hidden layer of 32 ReLU units and one output per head (``hidden``);
 - c and L learnable scalars, c initialised to 0.1 (``c_init``), L to 512 (``threshold_init``);
-- one FIRE module per layer, the paper's default (its layer-shared variant, FIRE-S as recalled, is not offered).
+- one FIRE module per layer, the paper's default; ``shared_across_layers: true`` gives every layer the same
+  module (the paper's layer-shared variant, as recalled): one set of parameters, each layer still evaluating it.
 
 poslab's choices:
 - c = softplus(raw_c) (raw_c a free parameter initialised to softplus^-1(c_init)) keeps c > 0, and it is
@@ -70,6 +71,8 @@ class FIREOptions:
     threshold_init: float = 512.0
     #: Learn L (the paper) or keep it at threshold_init.
     learn_threshold: bool = True
+    #: One FIRE module for every layer instead of one per layer (T5's option of that name).
+    shared_across_layers: bool = False
 
     def __post_init__(self) -> None:
         require(self.hidden >= 1, f"fire.hidden must be a positive integer (the MLP's width), got {self.hidden}")
@@ -149,4 +152,6 @@ class FIRE(Scheme):
 
     @classmethod
     def build(cls, options: FIREOptions, geometry: AttentionGeometry):
+        if options.shared_across_layers:
+            return None, [FIREBias(options, geometry.n_heads, not geometry.causal)] * geometry.n_layers
         return None, [FIREBias(options, geometry.n_heads, not geometry.causal) for _ in range(geometry.n_layers)]
