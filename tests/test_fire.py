@@ -169,7 +169,8 @@ def test_options_defaults_are_the_papers():
 
 
 def test_a_shared_fire_is_one_module_for_every_layer():
-    m = poslab.build_model({**CONFIG, "n_layers": 3, "positional": {"name": "fire", "options": {"shared_across_layers": True}}})
+    shared = {"name": "fire", "options": {"shared_across_layers": True}}
+    m = poslab.build_model({**CONFIG, "n_layers": 3, "positional": shared})
     per_layer = poslab.build_model({**CONFIG, "n_layers": 3})
     biases = [block.attn.positional for block in m.model.blocks]
     assert biases[0] is biases[1] is biases[2]

@@ -88,7 +88,7 @@ class XPosLayer(LayerPositional):
             self.log_zeta.copy_(xpos_zeta(self.head_dim, self.opts.gamma).log())
 
     def scales(self, positions: torch.Tensor) -> torch.Tensor:
-        """positions (batch, n) -> zeta^((p - c) / scale_base), (batch, 1, n, head_dim) fp32, both halves of a pair alike."""
+        """positions (batch, n) -> zeta^((p - c) / scale_base), (batch, 1, n, head_dim) fp32, a pair's halves alike."""
         power = (positions.to(torch.float32) - self.center) / self.opts.scale_base
         scale = torch.exp(power[..., None] * self.log_zeta.to(positions.device))
         return torch.cat((scale, scale), dim=-1)[:, None]
