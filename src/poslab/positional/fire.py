@@ -12,24 +12,24 @@ keeps short queries from being normalised by a tiny psi(i): below it the input i
 which depends on i - j alone, and only queries past L see their distances squeezed. No table and no length
 limit: any position works.
 
-Following the paper (as recalled here, the paper not being at hand to check):
-- the formula above, with psi(x) = log(c x + 1) and the normalisation by psi(max(L, i));
-- f_theta an MLP with one hidden layer of 32 ReLU units and one output per head (``hidden``);
-- c and L learnable scalars, c initialised to 0.1 (``c_init``), L to 512 (``threshold_init``);
-- one FIRE module per layer, the paper's default; ``shared_across_layers: true`` gives every layer the same
-  module (the paper's layer-shared variant, as recalled): one set of parameters, each layer still evaluating it.
+Following the paper and the code of its appendix (as the arithmetic-embeddings repository mcleish7/arithmetic,
+``cramming/architectures/embeddings.py``, reproduces it):
+- the formula above, psi(x) = log(|c x| + 1), the normalisation by psi(max(L, i)) + 1e-6;
+- f_theta an MLP with one hidden layer of 32 ReLU units and one output per head (``hidden``), initialised as
+  PyTorch's nn.Linear is (uniform in +-1/sqrt(fan_in): w1 and b1 in +-1, w2 in +-1/sqrt(hidden)), not with the
+  model's normal(mean, std): its input lies in [0, 1], not in the embeddings' scale;
+- c a learned scalar used through its absolute value, initialised to 0.1 (``c_init``);
+- L = |m| * 512 (``threshold_init``) with a learned multiplier m initialised to 1: an optimizer's step moves m
+  by about its learning rate, so L moves by ~512 times that (a parameter holding L itself would barely move);
+- one FIRE module per layer; ``shared_across_layers: true`` gives every layer the same module (the paper's
+  layer-shared variant): one set of parameters, each layer still evaluating it.
 
 poslab's choices:
-- c = softplus(raw_c) (raw_c a free parameter initialised to softplus^-1(c_init)) keeps c > 0, and it is
-  floored at 1e-6 so psi never divides 0 by 0 once raw_c drifts far negative;
-- L is used as max(L, 1): positions start at 0, and psi(max(L, i)) at i = 0 must stay above 0 if a learned L
-  falls below 1 (L takes no gradient there); ``learn_threshold: false`` freezes L at ``threshold_init``
+- L is used as at least 1: with the signed distances of a bidirectional model (below), psi(max(L, 0)) = 0
+  would divide a key's distance by 1e-6; ``learn_threshold: false`` keeps L at ``threshold_init``
   (a Python constant, not a parameter);
 - the output layer has no bias: a per-head constant adds the same to every logit of a query's row, which the
   softmax cancels, so it would never get a gradient;
-- the MLP is initialised as PyTorch's nn.Linear is (uniform in +-1/sqrt(fan_in): w1 and b1 in +-1, w2 in
-  +-1/sqrt(hidden)), ignoring the model's normal(mean, std): f_theta's input lies in [0, 1] (or [-1, 1]),
-  not in the embeddings' scale;
 - bidirectional models (encoders): the paper defines the causal case; here the input is the signed
   sign(i - j) psi(|i - j|) / psi(max(L, i)), so the MLP can tell past from future;
 - a causal model's future keys (j > i, masked by attention) get the distance 0: their bias is never used,
@@ -55,8 +55,8 @@ from poslab.errors import require
 from poslab.positional.base import AttentionGeometry, LayerPositional, Scheme
 from poslab.positional.options import options_dataclass
 
-#: c's floor: keeps psi(max(L, i)) > 0 (0 / 0 would be NaN) when softplus(raw_c) underflows.
-MIN_C = 1e-6
+#: Added to the normaliser psi(max(L, i)), as the paper's code does: 0 / 0 stays 0 when c reaches 0.
+EPS = 1e-6
 
 
 @options_dataclass
@@ -64,12 +64,12 @@ class FIREOptions:
     scheme = "fire"
     #: Width of f_theta's hidden layer (the paper's 32).
     hidden: int = 32
-    #: psi's initial scale c (the paper's 0.1); learned, kept positive through a softplus.
+    #: psi's initial scale c (the paper's 0.1); learned, used through its absolute value.
     c_init: float = 0.1
     #: The initial threshold L of psi(max(L, i)) (the paper's 512): queries before it see plain relative
     #: distances, later ones distances normalised by their own position.
     threshold_init: float = 512.0
-    #: Learn L (the paper) or keep it at threshold_init.
+    #: Learn L, as |multiplier| x threshold_init (the paper), or keep it at threshold_init.
     learn_threshold: bool = True
     #: One FIRE module for every layer instead of one per layer (T5's option of that name).
     shared_across_layers: bool = False
@@ -82,14 +82,10 @@ class FIREOptions:
                 f"got {self.threshold_init}")
 
 
-def inverse_softplus(y: float) -> float:
-    """x with softplus(x) = y > 0, from Python numbers (init_weights must not read tensors)."""
-    return y + math.log(-math.expm1(-y))  # log(exp(y) - 1) without overflow for large y
-
-
 class FIREBias(LayerPositional):
-    """One layer's FIRE bias. Parameters: w1, b1 (hidden,) and w2 (n_heads, hidden) -- f_theta;
-    raw_c (1,) -- c = softplus(raw_c); threshold (1,) -- L, a parameter only when learned."""
+    """One layer's FIRE bias. Parameters: w1, b1 (hidden,) and w2 (n_heads, hidden) -- f_theta; c (1,) -- psi's
+    scale, used as |c|; threshold_multiplier (1,) -- L = |multiplier| x threshold_init, a parameter only when
+    learned."""
 
     def __init__(self, opts: FIREOptions, n_heads: int, bidirectional: bool) -> None:
         super().__init__()
@@ -97,8 +93,8 @@ class FIREBias(LayerPositional):
         self.w1 = nn.Parameter(torch.empty(opts.hidden))
         self.b1 = nn.Parameter(torch.empty(opts.hidden))
         self.w2 = nn.Parameter(torch.empty(n_heads, opts.hidden))
-        self.raw_c = nn.Parameter(torch.empty(1))
-        self.threshold = nn.Parameter(torch.empty(1)) if opts.learn_threshold else None
+        self.c = nn.Parameter(torch.empty(1))
+        self.threshold_multiplier = nn.Parameter(torch.empty(1)) if opts.learn_threshold else None
         self.init_weights(0.0, 0.02)
 
     def init_weights(self, mean: float, std: float) -> None:
@@ -108,29 +104,25 @@ class FIREBias(LayerPositional):
         init.uniform_(self.w1, -first, first)
         init.uniform_(self.b1, -first, first)
         init.uniform_(self.w2, -second, second)
-        init.constant_(self.raw_c, inverse_softplus(self.opts.c_init))
-        if self.threshold is not None:
-            init.constant_(self.threshold, self.opts.threshold_init)
+        init.constant_(self.c, self.opts.c_init)
+        if self.threshold_multiplier is not None:
+            init.ones_(self.threshold_multiplier)
 
-    def c(self, dtype: torch.dtype) -> torch.Tensor:
-        """psi's scale, (1,)."""
-        return F.softplus(self.raw_c.to(dtype)).clamp(min=MIN_C)
+    def threshold(self, dtype: torch.dtype) -> torch.Tensor:
+        """L in use, (1,), at least 1."""
+        if self.threshold_multiplier is None:
+            return torch.tensor([max(self.opts.threshold_init, 1.0)], dtype=dtype, device=self.c.device)
+        return (self.threshold_multiplier.to(dtype).abs() * self.opts.threshold_init).clamp(min=1.0)
 
     def inputs(self, q_pos: torch.Tensor, k_pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """q_pos (batch, n), k_pos (batch, m) -> f_theta's inputs (batch, n, m): the normalised distances."""
         i = q_pos[:, :, None].to(dtype)  # (batch, n, 1)
         rel = (q_pos[:, :, None] - k_pos[:, None, :]).to(dtype)  # i - j, (batch, n, m); exact in integers first
-        c = self.c(dtype)
-        # L is floored at 1: psi(max(L, 0)) = 0 would divide a query at position 0 by zero (a padded token's
-        # negative position falls back to L too)
-        if self.threshold is None:
-            top = i.clamp(min=max(self.opts.threshold_init, 1.0))
-        else:
-            top = torch.maximum(i, self.threshold.to(dtype).clamp(min=1.0))
-        scale = torch.log1p(c * top)  # psi(max(L, i)), (batch, n, 1)
+        c = self.c.to(dtype).abs()
+        normaliser = torch.log1p(c * torch.maximum(i, self.threshold(dtype))) + EPS  # psi(max(L, i)), (batch, n, 1)
         if self.bidirectional:
-            return torch.sign(rel) * torch.log1p(c * rel.abs()) / scale
-        return torch.log1p(c * rel.clamp(min=0)) / scale  # future keys are masked: any finite value does
+            return torch.sign(rel) * torch.log1p(c * rel.abs()) / normaliser
+        return torch.log1p(c * rel.clamp(min=0)) / normaliser  # future keys are masked: any finite value does
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         """f_theta: x (...) -> (..., n_heads), in x's dtype."""
