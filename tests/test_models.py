@@ -17,12 +17,12 @@ from poslab.positional import SCHEMES
 ALL = sorted(SCHEMES)
 RELATIVE = sorted(name for name, scheme in SCHEMES.items() if scheme.relative)  # logits depend only on s - t
 ENCODER = [name for name in ALL if not SCHEMES[name].causal_only]  # xPos builds into decoders only
+FAST = settings(max_examples=8, deadline=None)
 
 
 def arch_schemes(schemes):
     """(arch, scheme) pairs: every scheme in a decoder, those that build into encoders in an encoder too."""
     return [("decoder", s) for s in schemes] + [("encoder", s) for s in schemes if s in ENCODER]
-FAST = settings(max_examples=8, deadline=None)
 
 
 def model(arch, scheme, backend="sdpa", seed=0, **extra):

@@ -210,6 +210,16 @@ def test_a_scheme_names_itself_once(name):
         scheme.Options(no_such_option_anywhere=1)
 
 
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_causal_only_schemes_and_only_they_refuse_a_bidirectional_model(name):
+    geometry = AttentionGeometry(n_layers=2, n_heads=2, head_dim=8, d_model=16, max_seq_len=16, causal=False)
+    if SCHEMES[name].causal_only:
+        with pytest.raises(ConfigError, match=f"{name} needs a causal model"):
+            build_positional(PositionalConfig(name), geometry)
+    else:
+        build_positional(PositionalConfig(name), geometry)
+
+
 # Options under which five short positions show what a scheme is: FIRE is relative below its threshold L
 # (512 by default), and only a query past L sees its distances normalised by its own position.
 REVEALING_OPTIONS = {"fire": {"threshold_init": 1.0}}
