@@ -293,7 +293,7 @@ def hub_unreachable() -> str | None:
     except (socket.gaierror, UnicodeError):
         return f"the hub ({host}) cannot be reached: its name does not resolve"
     except OSError:  # another failure of the lookup: the client tries, and says why
-        pass
+        return None
     return None
 
 

@@ -73,15 +73,25 @@ def yarn_mscale(factor: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
 
 
+def base_inv_freq(base: float, dim: int) -> torch.Tensor:
+    """Unscaled inverse frequencies base^(-2i/dim), (dim/2,) fp32, as Hugging Face computes them."""
+    return 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+
+
+def pair_norms(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x (..., >= dim) -> (..., dim/2) fp32: the 2-norm of each pair (i, i + dim/2) of the first dim channels."""
+    a, b = x[..., :dim].float().chunk(2, dim=-1)
+    return torch.sqrt(a * a + b * b)
+
+
 def rope_inv_freq(opts: RoPEOptions, dim: int, original_max_len: int, seq_len: int | None = None
                   ) -> tuple[torch.Tensor, float]:
     """Inverse frequencies (dim/2,) fp32 and the cos/sin multiplier for the given scaling."""
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     if opts.scaling == "dynamic":
         length = max(seq_len or original_max_len, original_max_len)
         base = opts.base * ((opts.factor * length / original_max_len) - (opts.factor - 1)) ** (dim / (dim - 2))
-        return 1.0 / base**exponents, 1.0
-    inv_freq = 1.0 / opts.base**exponents
+        return base_inv_freq(base, dim), 1.0
+    inv_freq = base_inv_freq(opts.base, dim)
     if opts.scaling == "linear":
         return inv_freq / opts.factor, 1.0
     if opts.scaling == "yarn":
@@ -167,10 +177,7 @@ class RotaryLayer(LayerPositional):
     def qk_frequency_norms(self, q, k):
         """2-norm of each rotated 2-D chunk (i, i + rotary_dim/2): (..., rotary_dim/2) for q and k; the
         channels that do not rotate have no frequency."""
-        def chunk_norms(x: torch.Tensor) -> torch.Tensor:
-            a, b = x[..., : self.rotary_dim].float().chunk(2, dim=-1)
-            return torch.sqrt(a * a + b * b)
-        return chunk_norms(q), chunk_norms(k)
+        return pair_norms(q, self.rotary_dim), pair_norms(k, self.rotary_dim)
 
 
 class RoPE(Scheme):

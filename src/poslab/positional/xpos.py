@@ -28,7 +28,7 @@ import torch
 from poslab.errors import ConfigError, require
 from poslab.positional.base import AttentionGeometry, LayerPositional, Scheme
 from poslab.positional.options import options_dataclass
-from poslab.positional.rope import rope_cos_sin, rotate_half
+from poslab.positional.rope import base_inv_freq, pair_norms, rope_cos_sin, rotate_half
 
 # |log scale| a float32 or bfloat16 tensor holds with room for a q.k product of unit-sized entries (e^80 ~ 5e34);
 # float16's is its largest value's log, less the same room.
@@ -82,9 +82,8 @@ class XPosLayer(LayerPositional):
 
     def init_weights(self, mean: float, std: float) -> None:
         # Buffers are not saved; a model built on the meta device (from_pretrained) recomputes them here.
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
         with torch.no_grad():
-            self.inv_freq.copy_(1.0 / self.opts.base**exponents)
+            self.inv_freq.copy_(base_inv_freq(self.opts.base, self.head_dim))
             self.log_zeta.copy_(xpos_zeta(self.head_dim, self.opts.gamma).log())
 
     def scales(self, positions: torch.Tensor) -> torch.Tensor:
@@ -126,10 +125,7 @@ class XPosLayer(LayerPositional):
 
     def qk_frequency_norms(self, q, k):
         """2-norm of each raw pair (i, i + d/2): (..., d/2) for q and k."""
-        def pair_norms(x: torch.Tensor) -> torch.Tensor:
-            a, b = x.float().chunk(2, dim=-1)
-            return torch.sqrt(a * a + b * b)
-        return pair_norms(q), pair_norms(k)
+        return pair_norms(q, self.head_dim), pair_norms(k, self.head_dim)
 
 
 class XPos(Scheme):
