@@ -11,12 +11,11 @@ FIRE also runs its MLP on every query-key pair.
 from __future__ import annotations
 
 import argparse
-import math
 import platform
-import time
 
 import torch
 
+from attention import timed  # benchmarks/attention.py: best of repeats after a warm-up
 from poslab.attention.module import MultiHeadAttention
 from poslab.positional import SCHEMES, AttentionGeometry, PositionalConfig, build_positional
 
@@ -37,16 +36,6 @@ def step_fn(name: str, args, n: int):
         for p in params + [x]:
             p.grad = None
     return step
-
-
-def timed(fn, repeats: int) -> float:
-    fn()  # warm-up
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main() -> None:

@@ -36,9 +36,9 @@ def section(data: dict, out: str) -> str:
         "1020-1220 s on this machine before): its two values moved and held (PoPE 71.7% vs RoPE 52.6% over the three "
         "seeds, against 79.1% vs 65.2%), as the search over nine seeds had them. This run, on the twenty-fifth "
         "session's code (three schemes added to the registry, no recipe changed), gives the same 33 values to the "
-        "last digit as that session's three runs (1094, 1117 and 1150 s) and as two earlier runs of this session "
-        "(1142 s, and 1210 s: the same work, 10 s over the budget on a slower pass of this machine; the budget's "
-        "margin is smaller than this machine's run-to-run spread, ~10%).",
+        "last digit as that session's three runs (1094, 1117 and 1150 s) and as three earlier runs of this session "
+        "(1142, 1210 and 1146 s; 1210 s is the same work 10 s over the budget on a slower pass of this machine: the "
+        "budget's margin is smaller than this machine's run-to-run spread, ~10%).",
         "", *summary_table(data), ""])
 
 
