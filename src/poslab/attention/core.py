@@ -16,15 +16,14 @@ import torch.nn.functional as F
 BACKENDS = ("auto", "sdpa", "eager", "triton")
 
 
-def mask_bias(n: int, m: int, *, causal: bool, key_padding: torch.Tensor | None, device, q_offset: int = 0
-              ) -> torch.Tensor | None:
-    """Additive (batch or 1, 1, n, m) mask of 0 / -inf, or None when nothing is masked.
+def visible_keys(n: int, m: int, *, causal: bool, key_padding: torch.Tensor | None, device, q_offset: int = 0
+                 ) -> torch.Tensor:
+    """Bool (batch or 1, 1, n, m): True where query i may attend to key j; the queries sit at
+    ``q_offset``..``q_offset + n - 1`` of the m keys (``m - n`` while decoding with a KV cache).
 
     key_padding (batch, m) is 1 for real tokens. A query may always see its own position, so rows of
-    padding queries stay finite (their outputs are ignored, but NaNs would poison gradients).
+    padding queries are never empty (their outputs are ignored, but NaNs would poison gradients).
     """
-    if not causal and key_padding is None:
-        return None
     q_idx = torch.arange(n, device=device)[:, None] + q_offset
     k_idx = torch.arange(m, device=device)[None, :]
     allowed = torch.ones(1, 1, n, m, dtype=torch.bool, device=device)
@@ -32,6 +31,15 @@ def mask_bias(n: int, m: int, *, causal: bool, key_padding: torch.Tensor | None,
         allowed = allowed & (k_idx <= q_idx)
     if key_padding is not None:
         allowed = allowed & (key_padding.bool()[:, None, None, :] | (k_idx == q_idx))
+    return allowed
+
+
+def mask_bias(n: int, m: int, *, causal: bool, key_padding: torch.Tensor | None, device, q_offset: int = 0
+              ) -> torch.Tensor | None:
+    """Additive (batch or 1, 1, n, m) mask of 0 / -inf over ``visible_keys``, or None when nothing is masked."""
+    if not causal and key_padding is None:
+        return None
+    allowed = visible_keys(n, m, causal=causal, key_padding=key_padding, device=device, q_offset=q_offset)
     return torch.zeros(allowed.shape, device=device).masked_fill(~allowed, float("-inf"))
 
 

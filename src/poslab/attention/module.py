@@ -77,7 +77,12 @@ class MultiHeadAttention(nn.Module):
                                  "(key_positions, from cached_key_positions)")
             k_positions = key_positions
         if pos is not None:
+            # One "bias" term for analysis: the positions' bias plus the bias read off q and k (CoPE's), which
+            # sees every key, the cached ones too.
             bias = pos.logit_bias(positions, k_positions)
+            content = pos.content_bias(q, k, causal=self.causal, key_padding=key_padding)
+            if content is not None:
+                bias = content if bias is None else bias + content
         out, probs, terms = attend({"content": (q, k)}, v, scale=scale, causal=self.causal,
                                    biases={"bias": bias}, key_padding=key_padding, eager=eager)
         if capture is not None:

@@ -1,12 +1,17 @@
 """How a positional scheme plugs into a Transformer.
 
-A scheme can touch attention at three points, and most use one:
+A scheme can touch attention at four points, and most use one:
 
 1. the input        -- ``InputPositional.forward(x, positions)`` adds to (or sits beside) the embeddings;
 2. queries and keys -- ``LayerPositional.transform_qk(q, k, q_pos, k_pos)`` rotates them (RoPE) or maps
                        them to magnitudes and phases (PoPE, which returns 2d-wide q/k);
 3. the logits       -- ``LayerPositional.logit_bias(q_pos, k_pos)`` returns an additive
-                       (batch or 1, heads, q_len, k_len) bias (T5 buckets, ALiBi).
+                       (batch or 1, heads, q_len, k_len) bias (T5 buckets, ALiBi);
+4. the logits, from content -- ``LayerPositional.content_bias(q, k, causal=, key_padding=)`` returns an
+                       additive (batch, heads, q_len, k_len) bias computed from the (transformed) queries and
+                       every key, cached ones included (CoPE, whose positions count gated keys).
+
+Attention adds 3 and 4 into one logit term, ``bias``, which the eager path returns for analysis.
 
 A scheme is a class registered under a name (``positional/__init__.py``); ``Scheme.build`` makes the
 modules a model needs: at most one input module, and one layer module per attention layer (the same
@@ -27,7 +32,9 @@ and pick it up. Rules the models rely on:
   in ``fp32_tables``.
 - With a KV cache (generation), keys are cached after ``transform_qk``: a cached key is never transformed
   again, so its transform must depend on its own position only, and ``logit_bias`` sees the positions of every
-  cached key (``k_pos``, length m) against the new queries' (``q_pos``, length n).
+  cached key (``k_pos``, length m) against the new queries' (``q_pos``, length n). ``content_bias`` sees the
+  cached keys themselves (k, length m): the n new queries are the last n of the m.
+- A scheme with a ``content_bias`` has no ``fused_attention`` (the fused path runs before it is asked).
 """
 from __future__ import annotations
 
@@ -121,6 +128,18 @@ class LayerPositional(nn.Module):
 
     def logit_bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
         """Additive logit bias (batch or 1, heads, n, m), or None."""
+        return None
+
+    def content_bias(self, q: torch.Tensor, k: torch.Tensor, *, causal: bool, key_padding: torch.Tensor | None
+                     ) -> torch.Tensor | None:
+        """Additive logit bias (batch, heads, n, m) computed from q and k, or None.
+
+        q (batch, heads, n, d) and k (batch, heads, m, d) are after ``transform_qk``, k holding the cached keys
+        and the new ones (m >= n; the queries are the last n). Which keys a query sees comes from
+        ``poslab.attention.core.visible_keys(n, m, causal=causal, key_padding=key_padding, device=...,
+        q_offset=m - n)``, the mask attention itself applies; key_padding (batch, m) is 1 for real tokens.
+        The mask is not passed in built: schemes without this hook would pay for an (n, m) mask per layer.
+        """
         return None
 
     def qk_frequency_norms(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
