@@ -318,8 +318,10 @@ def test_sinusoidal_input_gradient_is_the_token_scale():
 
 # --- whole models: the parameters reach the loss ----------------------------------------------------------
 
-# Options that make a scheme's parameters matter at this size (zero-initialised T5 buckets hide the bias).
-GRADCHECK_OPTIONS = {"pope": {"delta_init": "uniform"}, "t5": {"num_buckets": 8, "max_distance": 16, "init_std": 0.5}}
+# Options that make a scheme's parameters matter at this size (zero-initialised T5 buckets and CoPE tables hide
+# the bias).
+GRADCHECK_OPTIONS = {"pope": {"delta_init": "uniform"}, "t5": {"num_buckets": 8, "max_distance": 16, "init_std": 0.5},
+                     "cope": {"init_std": 0.5}}
 
 
 def positional_decoder(scheme: str):

@@ -27,7 +27,8 @@ def arch_schemes(schemes):
 
 def model(arch, scheme, backend="sdpa", seed=0, **extra):
     torch.manual_seed(seed)
-    options = {"init_std": 0.5} if scheme == "t5" else {}  # zero-initialised buckets would hide the bias
+    # Zero-initialised T5 buckets and CoPE tables would hide the bias.
+    options = {"init_std": 0.5} if scheme in ("t5", "cope") else {}
     if scheme == "pope":
         options = {"delta_init": "uniform"}
     cfg = {"arch": arch, "vocab_size": 30, "d_model": 32, "n_heads": 4, "n_layers": 2, "max_seq_len": 64,
@@ -52,7 +53,7 @@ def test_scheme_logits_are_shift_invariant(scheme):
     """The scheme's own logit pieces (q.k after its transform, plus its bias) depend on s - t only."""
     from poslab.positional import AttentionGeometry, PositionalConfig, build_positional
 
-    opts = {"init_std": 1.0} if scheme == "t5" else {}
+    opts = {"init_std": 1.0} if scheme in ("t5", "cope") else {}
     causal = SCHEMES[scheme].causal_only
     _, layers = build_positional(PositionalConfig(scheme, opts), AttentionGeometry(1, 2, 8, 16, 64, causal))
     layer = layers[0]
@@ -62,8 +63,8 @@ def test_scheme_logits_are_shift_invariant(scheme):
         if layer is None:  # a scheme without layer hooks (NoPE)
             return q @ k.transpose(-1, -2)
         q2, k2 = layer.transform_qk(q, k, pos, pos)
-        bias = layer.logit_bias(pos, pos)
-        return q2 @ k2.transpose(-1, -2) + (0 if bias is None else bias)
+        biases = (layer.logit_bias(pos, pos), layer.content_bias(q2, k2, causal=causal, key_padding=None))
+        return q2 @ k2.transpose(-1, -2) + sum(b for b in biases if b is not None)
 
     pos = torch.arange(6)[None]
     torch.testing.assert_close(logits(pos), logits(pos + 1234), rtol=1e-4, atol=1e-4)

@@ -238,7 +238,9 @@ def test_scheme_capabilities_say_what_the_scheme_does(name):
     layer = layers[0]
     q_out, k_out = layer.transform_qk(q, k, pos, pos) if layer is not None else (q, k)
     bias = layer.logit_bias(pos, pos) if layer is not None else None
-    touches_only_bias = input_pos is None and torch.equal(q_out, q) and torch.equal(k_out, k) and bias is not None
+    content = layer.content_bias(q_out, k_out, causal=True, key_padding=None) if layer is not None else None
+    touches_only_bias = (input_pos is None and torch.equal(q_out, q) and torch.equal(k_out, k) and bias is not None
+                         and content is None)
     assert scheme.bias_only == touches_only_bias
     option_names = {f.name for f in dataclasses.fields(scheme.Options)}
     assert scheme.context_scaling == ({"scaling", "factor", "original_max_len"} <= option_names)
@@ -249,8 +251,9 @@ def test_scheme_capabilities_say_what_the_scheme_does(name):
     def scores(shift: int) -> list[torch.Tensor]:
         at = pos + shift
         q_at, k_at = layer.transform_qk(q, k, at, at) if layer is not None else (q, k)
-        bias = layer.logit_bias(at, at) if layer is not None else None
-        logits = q_at @ k_at.transpose(-1, -2) + (0 if bias is None else bias)
+        biases = (layer.logit_bias(at, at), layer.content_bias(q_at, k_at, causal=True, key_padding=None)) \
+            if layer is not None else ()
+        logits = q_at @ k_at.transpose(-1, -2) + sum(b for b in biases if b is not None)
         return [logits] + ([input_pos(torch.ones(1, 5, 16), at)] if input_pos is not None else [])
 
     assert scheme.relative == all(torch.allclose(a, b, atol=1e-4) for a, b in zip(scores(0), scores(7)))

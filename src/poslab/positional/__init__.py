@@ -8,6 +8,7 @@ from poslab.errors import lookup
 from poslab.positional.absolute import LearnedAbsolute
 from poslab.positional.alibi import ALiBi
 from poslab.positional.base import AttentionGeometry, InputPositional, LayerPositional, PositionalConfig, Scheme
+from poslab.positional.cope import CoPE
 from poslab.positional.fire import FIRE
 from poslab.positional.kerple import KERPLE
 from poslab.positional.nope import NoPE
@@ -28,6 +29,7 @@ SCHEMES: dict[str, type[Scheme]] = {
     "xpos": XPos,
     "kerple": KERPLE,
     "fire": FIRE,
+    "cope": CoPE,
 }
 
 
