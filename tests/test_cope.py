@@ -69,7 +69,7 @@ def reference_logits(q, k, table, npos_max, padding):
 
 
 def layer_logits(layer, q, k, padding):
-    """What attention's eager path adds up: the content term and the one ``bias`` term, through the module."""
+    """What attention adds up before the mask: the content term s q k^T and CoPE's ``bias`` term."""
     bias = layer.content_bias(q, k, causal=True, key_padding=padding)
     return q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + bias
 
@@ -93,7 +93,8 @@ def test_logits_match_a_loop_over_queries_keys_and_counted_keys(case):
     c = CASES[case]
     layer = random_layer(c["npos_max"])
     torch.manual_seed(1)
-    q, k = torch.randn(2, HEADS, c["n"], HEAD_DIM, dtype=F64) * 2, torch.randn(2, HEADS, c["m"], HEAD_DIM, dtype=F64) * 2
+    q = torch.randn(2, HEADS, c["n"], HEAD_DIM, dtype=F64) * 2
+    k = torch.randn(2, HEADS, c["m"], HEAD_DIM, dtype=F64) * 2
     padding = None if c["padding"] is None else torch.tensor(c["padding"])
     expected, positions = reference_logits(q, k, layer.pos_emb, c["npos_max"], c["padding"])
     ours = layer_logits(layer, q, k, padding)
@@ -302,7 +303,8 @@ def test_a_meta_device_model_materialises_and_plans():
                  if p.dim() == 2 and name != "model.embed.weight" and not name.endswith("pos_emb"))
     parameters, flops = planning._count(json.dumps(config, sort_keys=True), n)
     assert parameters == reference.num_parameters()
-    assert flops == 6 * n * matmul + 12 * layers_ * n * n * width + 3 * layers_ * (2 * n * n * width + 2 * n * width * npos)
+    cope = 3 * layers_ * (2 * n * n * width + 2 * n * width * npos)
+    assert flops == 6 * n * matmul + 12 * layers_ * n * n * width + cope
 
 
 def test_a_tiny_decoder_trains():
