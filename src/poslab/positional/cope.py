@@ -39,7 +39,8 @@ poslab's choices:
 - No fused kernel: q k^T is computed a second time for the gates (the SDPA path never shows attention the
   logits), and the (batch, heads, n, m) gates, positions and bias are materialised per layer, so a model pays
   about one eager attention's memory per layer on top of SDPA's. With a KV cache the gates are computed against
-  every cached key, which holds raw k (CoPE does not transform q or k).
+  every cached key, which holds raw k (CoPE does not transform q or k). ``--plan``'s FLOP counter sees its two
+  matmuls, q k^T (2 n m d per head) and q E (2 n d npos_max per head), forward and backward.
 """
 from __future__ import annotations
 
