@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Length extrapolation of the schemes the extrapolation recipe does not train (xPos, KERPLE, FIRE, ALiBi): each
+# Length extrapolation of the schemes the extrapolation recipe does not train (xPos, KERPLE, FIRE, ALiBi, CoPE): each
 # trains the recipe's quick PoPE model with its own scheme (same config, data, seed and steps), then one
 # `poslab analyze extrapolation` evaluates them with the quick run's PoPE and RoPE models at 1-10x the length.
-# An exploration, not a recipe: its table is in FINDINGS.md ("Twenty-fifth session").
+# An exploration, not a recipe: its table is in FINDINGS.md ("Twenty-fifth session"; CoPE: "Twenty-sixth session").
 #
 #     bash benchmarks/quick_search/extrapolation_schemes.sh [QUICK_RUN_DIR=runs/quick] [OUT=runs/extrapolation-schemes]
 set -euo pipefail
@@ -19,9 +19,10 @@ train() {  # one thread each, two at a time: the machine's two cores
 }
 train xpos & train kerple & wait
 train fire & train alibi & wait
+train cope
 
 .venv/bin/poslab analyze extrapolation --run "$out/xpos" --sequences 32 --batch-size 8 --factors 1 2 4 8 10 \
-  --scalings --compare "$runs/rope" "$runs/pope" "$out/kerple" "$out/fire" "$out/alibi"
+  --scalings --compare "$runs/rope" "$runs/pope" "$out/kerple" "$out/fire" "$out/alibi" "$out/cope"
 .venv/bin/python - "$out/xpos/analysis/extrapolation.json" <<'EOF'
 import json, sys
 data = json.load(open(sys.argv[1]))
