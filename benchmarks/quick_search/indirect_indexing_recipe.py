@@ -3,6 +3,7 @@ recipe itself (the engine's trainer, the recipe's seeds and data), unlike indire
 
     python benchmarks/quick_search/indirect_indexing_recipe.py --heads 8 --shift 3 --out /tmp/ii_h8s3
     python benchmarks/quick_search/indirect_indexing_recipe.py --seeds 3 4 5 --out /tmp/ii_more_seeds
+    python benchmarks/quick_search/indirect_indexing_recipe.py --others nope alibi cope --out /tmp/ii_others
 
 Prints the claims and the per-seed test accuracy of each scheme.
 """
@@ -23,6 +24,8 @@ def main() -> None:
     p.add_argument("--alphabet", type=int, default=None)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="other seeds than the recipe's 0 1 2")
+    p.add_argument("--others", nargs="+", default=None,
+                   help="other schemes to train besides PoPE and RoPE, at the same seeds (the quick recipe trains none)")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args()
@@ -38,6 +41,8 @@ def main() -> None:
         scale["train"] = {**scale["train"], "steps": a.steps}
     if a.seeds:
         scale["seeds"] = a.seeds
+    if a.others:
+        scale["others"], scale["other_seeds"] = tuple(a.others), scale["seeds"]
     start = time.time()
     result = indirect_indexing.run("quick", a.out, print, jobs=a.jobs)
     print(f"task {scale['task']}, model {scale['model']}, {scale['train']['steps']} steps, {time.time() - start:.0f} s")

@@ -119,7 +119,7 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
                # Per seed too: at small scale learning the task is a late, seed-dependent jump, so a mean alone
                # hides whether a gap comes from every seed or from one.
                "columns": ["scheme", "ours (mean)", "ours (std)", "per seed", "paper (%)"],
-               "rows": [[s, mean[s], std[s], accuracy[s], paper[s]] for s in accuracy]}]
+               "rows": [[s, mean[s], std[s], accuracy[s], paper.get(s, "-")] for s in accuracy]}]
     notes = [f"{scale_name.capitalize()}-scale task: alphabet {alphabet}, string lengths {scale['task'].get('min_len')}-"
              f"{scale['task'].get('max_len')}, shifts {scale['task'].get('min_shift')}..{scale['task'].get('max_shift')}; "
              f"model {scale['model']}; {scale['train']['steps']} steps of batch {scale['train']['batch_size']}.",
