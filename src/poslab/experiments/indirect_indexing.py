@@ -40,9 +40,10 @@ SCALES = {
               # budget: benchmarks/quick_search/indirect_indexing_recipe.py --others ... (FINDINGS.md).
               "others_explored": "The other schemes are not trained at this scale (the budget). Trained at it outside "
                                  "the budget, seeds 0-2 (FINDINGS.md, twenty-sixth session), T5's learned bias came "
-                                 "out far above PoPE (87.3% against 71.7%, means) and FIRE level with it (72.4%), then ALiBi 60.5%, "
-                                 "CoPE 56.5%, xPos 52.0%, KERPLE 46.8%, NoPE 38.5%, learned 34.2%, sinusoidal "
-                                 "27.2%: the paper scale's claim that PoPE is above every scheme did not hold there.",
+                                 "out far above PoPE (means 87.3% against 71.7%) and FIRE level with it (72.4%), then "
+                                 "ALiBi 60.5%, CoPE 56.5%, xPos 52.0%, KERPLE 46.8%, NoPE 38.5%, learned 34.2%, "
+                                 "sinusoidal 27.2%: the paper scale's claim that PoPE is above every scheme did not "
+                                 "hold there.",
               "tried": {"PoPE far above RoPE":
                             "The search (benchmarks/quick_search/FINDINGS.md) ran this recipe with 4 and 8 heads, "
                             "shifts +-2 and +-3 and 1,600-3,000 steps, and its own loop with 16 letters: at this size "
