@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from poslab.errors import lookup
+from poslab.errors import lookup, require
 from poslab.positional.absolute import LearnedAbsolute
 from poslab.positional.alibi import ALiBi
 from poslab.positional.base import AttentionGeometry, InputPositional, LayerPositional, PositionalConfig, Scheme
@@ -41,6 +41,8 @@ def build_positional(
     config: PositionalConfig, geometry: AttentionGeometry
 ) -> tuple[InputPositional | None, list[LayerPositional | None]]:
     scheme = get_scheme(config.name)
+    require(geometry.causal or not scheme.causal_only,
+            f"{config.name} needs a causal model (arch: decoder): {scheme.causal_reason}")
     return scheme.build(scheme.Options(**config.options), geometry)
 
 

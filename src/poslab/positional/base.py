@@ -168,8 +168,10 @@ class Scheme(abc.ABC):
     #: Attention logits depend on positions only through their differences: shifting every position changes
     #: nothing (RoPE, PoPE, T5, ALiBi; NoPE trivially), where absolute schemes' do change.
     relative: ClassVar[bool] = False
-    #: Builds only into causal models (xPos, whose factor grows toward later keys); encoders refuse it.
+    #: Builds only into causal models (xPos, whose factor grows toward later keys); encoders refuse it in one line
+    #: that gives ``causal_reason`` (why, and what to use instead).
     causal_only: ClassVar[bool] = False
+    causal_reason: ClassVar[str] = ""
 
     @classmethod
     @abc.abstractmethod

@@ -119,13 +119,12 @@ class CoPE(Scheme):
     name = "cope"
     relative = True
     causal_only = True
+    causal_reason = ("its positions count the gated keys from a key up to its query, an order only a decoder has; "
+                     "use rope or t5 for encoders")
     Options = CoPEOptions
 
     @classmethod
     def build(cls, options: CoPEOptions, geometry: AttentionGeometry):
-        require(geometry.causal, "cope needs a causal model (arch: decoder): its positions count the gated keys "
-                                 "from a key up to its query, an order only a decoder has; use rope or t5 "
-                                 "for encoders")
         npos_max = geometry.max_seq_len if options.npos_max is None else options.npos_max
         # One table per layer, shared by its heads (the paper's code).
         return None, [CoPELayer(options, geometry.head_dim, npos_max) for _ in range(geometry.n_layers)]

@@ -132,12 +132,11 @@ class XPos(Scheme):
     name = "xpos"
     relative = True
     causal_only = True
+    causal_reason = "toward later keys its factor grows with distance instead of decaying; use rope for encoders"
     Options = XPosOptions
 
     @classmethod
     def build(cls, options: XPosOptions, geometry: AttentionGeometry):
-        require(geometry.causal, "xpos needs a causal model (arch: decoder): toward later keys its factor grows "
-                                 "with distance instead of decaying; use rope for encoders")
         require(geometry.head_dim % 2 == 0, f"xpos needs an even head dim, got {geometry.head_dim}; change "
                                             f"d_model or n_heads")
         center = geometry.max_seq_len // 2 if options.center is None else options.center
