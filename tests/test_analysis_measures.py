@@ -205,6 +205,8 @@ def test_a_head_is_named_at_exactly_the_threshold_share():
     shares = torch.tensor([[0.5, 0.4], [0.25, 0.35], [0.25, 0.25]], dtype=torch.float64)
     assert label_heads(shares, ["ap", "sem", "rp"]) == ["structure", "mixed"]
     assert label_heads(shares, ["ap", "sem", "rp"], threshold=0.4) == ["structure", "structure"]
+    assert label_heads(shares, ["bias", "content", "rp"]) == ["relative", "mixed"]
+    assert label_heads(shares, ["bias", "content", "rp"], bias_label="contextual") == ["contextual", "mixed"]
 
 
 def test_frequency_sums_without_a_mask_count_every_head_and_token():

@@ -166,6 +166,18 @@ def test_spectra_heads_frequencies_where_they_apply(runs):
     assert freq["layers"] == [1, 2]  # numbered as the heatmap's rows and the other analyses' depths
 
 
+def test_heads_name_a_cope_bias_contextual(tmp_path, one_thread):
+    """CoPE's bias counts gated keys, a position read off content: its heads are not labelled "relative"."""
+    cfg = config("cope")
+    cfg["model"]["positional"]["options"] = {"init_std": 1.0}  # its zero init would leave the bias without variance
+    train(RunConfig.from_dict(cfg), tmp_path / "cope")
+    assert analyze("heads", "--run", str(tmp_path / "cope"), "--sequences", "16") == 0
+    heads = json.loads((tmp_path / "cope" / "analysis" / "heads.json").read_text())
+    labels = {label for layer in heads["layers"].values() for label in layer["labels"]}
+    assert "contextual" in labels and labels <= {"contextual", "content", "mixed"}
+    assert "bias->contextual" in heads["rule"]
+
+
 def test_extrapolation_several_runs_with_rope_scalings(runs, capsys):
     assert analyze("extrapolation", "--run", str(runs / "rope"), "--compare", str(runs / "learned"),
                    "--sequences", "16", "--factors", "1", "2", "8") == 0

@@ -326,10 +326,11 @@ def heads(run: Run, opts: Options) -> dict:
                           "add 'bias'; arch dstg has ap/sem/rp)")
     layers = sorted(sums)
     shares = torch.stack([variance_shares(torch.stack([sums[i][t] for t in names])) for i in layers])  # (L, T, H)
-    labels = [label_heads(shares[i], names, opts.threshold) for i in range(len(layers))]
+    bias_label = get_scheme(run.config.model.to_dict().get("positional", {}).get("name", "nope")).bias_label
+    labels = [label_heads(shares[i], names, opts.threshold, bias_label) for i in range(len(layers))]
     data = {"run": str(run.dir), "terms": names, "threshold": opts.threshold,
             "rule": "label = the term with the largest share of within-row logit variance when >= threshold, "
-                    "else 'mixed' (ap->structure, sem->semantic, rp/bias->relative, content->content)",
+                    f"else 'mixed' (ap->structure, sem->semantic, rp->relative, bias->{bias_label}, content->content)",
             "layers": {f"blocks.{i}": {"shares": {t: shares[j, k].tolist() for k, t in enumerate(names)},
                                        "mean_variance": {t: (sums[i][t] / rows[i].clamp(min=1)).tolist()
                                                          for t in names},

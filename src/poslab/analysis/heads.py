@@ -9,7 +9,8 @@ is its variance divided by the sum of all terms' variances: in [0, 1], summing t
 
 Labelling rule: a head is named after the term with the largest share when that share is at least
 ``threshold`` (default 0.5, a majority), otherwise it is "mixed". Terms map to labels by TERM_LABELS:
-ap -> structure, sem -> semantic, rp and bias -> relative, content -> content.
+ap -> structure, sem -> semantic, rp and bias -> relative, content -> content; a scheme whose bias is not a
+distance names its own label (``Scheme.bias_label``: CoPE's "contextual").
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 
 TERM_LABELS = {"ap": "structure", "sem": "semantic", "rp": "relative", "bias": "relative", "content": "content"}
 # A label's mark in the heatmaps' cells: distinct where first letters are not (structure, semantic).
-MARKS = {"structure": "St", "semantic": "Se", "relative": "R", "content": "C", "mixed": "M"}
+MARKS = {"structure": "St", "semantic": "Se", "relative": "R", "contextual": "Cx", "content": "C", "mixed": "M"}
 
 
 def allowed_keys(n: int, causal: bool, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -56,8 +57,10 @@ def variance_shares(sums: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, sums / total.clamp(min=1e-300), 0.0)
 
 
-def label_heads(shares: torch.Tensor, names: list[str], threshold: float = 0.5) -> list[str]:
+def label_heads(shares: torch.Tensor, names: list[str], threshold: float = 0.5, bias_label: str = "relative"
+                ) -> list[str]:
     """shares (terms, heads) -> one label per head by the rule in the module docstring."""
     best = shares.max(0)
-    return [TERM_LABELS.get(names[int(i)], names[int(i)]) if float(v) >= threshold else "mixed"
+    labels = {**TERM_LABELS, "bias": bias_label}
+    return [labels.get(names[int(i)], names[int(i)]) if float(v) >= threshold else "mixed"
             for v, i in zip(best.values, best.indices)]

@@ -172,6 +172,8 @@ class Scheme(abc.ABC):
     #: that gives ``causal_reason`` (why, and what to use instead).
     causal_only: ClassVar[bool] = False
     causal_reason: ClassVar[str] = ""
+    #: What ``poslab analyze heads`` calls a head led by this scheme's ``bias`` logit term.
+    bias_label: ClassVar[str] = "relative"
 
     @classmethod
     @abc.abstractmethod

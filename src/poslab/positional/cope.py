@@ -121,6 +121,8 @@ class CoPE(Scheme):
     causal_only = True
     causal_reason = ("its positions count the gated keys from a key up to its query, an order only a decoder has; "
                      "use rope or t5 for encoders")
+    # Its bias counts gated keys: a contextual position, read off content, not a token distance.
+    bias_label = "contextual"
     Options = CoPEOptions
 
     @classmethod
