@@ -16,7 +16,7 @@ import yaml
 from poslab.analysis import cli
 from poslab.analysis.capture import collect, run_with_cache
 from poslab.analysis.commands import ap_table
-from poslab.analysis.extrapolation import evaluate_lengths, with_rope_scaling
+from poslab.analysis.extrapolation import evaluate_lengths, with_context_scaling
 from poslab.analysis.runs import Run, by_depth, layer_of, stream_of
 from poslab.analysis.similarity import sequence_adjacency
 from poslab.errors import CheckpointError, ConfigError, DataError, PoslabError
@@ -178,7 +178,7 @@ def test_heads_name_a_cope_bias_contextual(tmp_path, one_thread):
     assert "bias->contextual" in heads["rule"]
 
 
-def test_extrapolation_several_runs_with_rope_scalings(runs, capsys):
+def test_extrapolation_several_runs_with_context_scalings(runs, capsys):
     assert analyze("extrapolation", "--run", str(runs / "rope"), "--compare", str(runs / "learned"),
                    "--sequences", "16", "--factors", "1", "2", "8") == 0
     data = json.loads((runs / "rope" / "analysis" / "extrapolation.json").read_text())["runs"]
@@ -188,6 +188,19 @@ def test_extrapolation_several_runs_with_rope_scalings(runs, capsys):
     # Length 8x needs positions past the learned table (max_seq_len 24): recorded, not a crash.
     assert "error" in data["learned"]["curves"]["none"][-1] and "loss" in data["learned"]["curves"]["none"][0]
     assert "extrapolation: 1 evaluations failed, each recorded with its reason" in capsys.readouterr().err
+
+
+def test_extrapolation_evaluates_xpos_with_blockwise_attention(runs, tmp_path, one_thread):
+    """The default --scalings give each run its own scheme's: RoPE's three, xPos's blockwise attention."""
+    train(RunConfig.from_dict(config("xpos")), tmp_path / "xpos")
+    assert analyze("extrapolation", "--run", str(tmp_path / "xpos"), "--compare", str(runs / "rope"),
+                   "--sequences", "8", "--factors", "1", "4") == 0
+    data = json.loads((tmp_path / "xpos" / "analysis" / "extrapolation.json").read_text())["runs"]
+    assert set(data["xpos"]["curves"]) == {"none", "blockwise"} and set(data["rope"]["curves"]) == \
+        {"none", "linear", "ntk", "yarn"}
+    blockwise, none = data["xpos"]["curves"]["blockwise"], data["xpos"]["curves"]["none"]
+    # Problems of 5 digits train sequences of up to 12 tokens: blocks of 6 hide no key within that length
+    assert blockwise[0]["loss"] == pytest.approx(none[0]["loss"]) and blockwise[1]["loss"] != none[1]["loss"]
 
 
 def test_compared_runs_are_told_apart_and_named_once(runs, tmp_path):
@@ -271,11 +284,11 @@ def test_rope_scaling_is_the_identity_at_factor_one_and_changes_longer_inputs(ru
     run = Run.load(runs / "rope")
     ids = torch.randint(0, 10, (2, 40))
     base = run.model(ids).logits
-    same = with_rope_scaling(run.config, run.model, "linear", 1.0, 24)(ids).logits
-    scaled = with_rope_scaling(run.config, run.model, "linear", 4.0, 24)(ids).logits
+    same = with_context_scaling(run.config, run.model, "linear", 1.0, 24)(ids).logits
+    scaled = with_context_scaling(run.config, run.model, "linear", 4.0, 24)(ids).logits
     assert torch.allclose(base, same, atol=1e-5) and not torch.allclose(base, scaled, atol=1e-3)
     with pytest.raises(ConfigError, match="rope models"):
-        with_rope_scaling(Run.load(runs / "learned").config, run.model, "yarn", 2.0, 24)
+        with_context_scaling(Run.load(runs / "learned").config, run.model, "yarn", 2.0, 24)
     assert evaluate_lengths(run.config, run.model, [5], sequences=8, batch_size=8)[0]["factor"] == 1.0
     # Task problems are drawn at each length and every one of the split is scored: the records say how many.
     records = evaluate_lengths(run.config, run.model, [5, 10], sequences=8, batch_size=8)
@@ -350,8 +363,10 @@ def test_bad_input_errors(runs, tmp_path):
              (("adjacency", "--run", str(runs / "rope"), "--sequences", "0"), ConfigError, "--sequences"),
              # asked for by name, a scaling that no run can take was dropped without a word
              (("extrapolation", "--run", str(runs / "learned"), "--scalings", "yarn"), ConfigError,
-              r"^--scalings rescale the context of runs whose scheme has a context scaling \(rope\); none of these "
-              "runs has one")]
+              r"^--scalings yarn apply to none of these runs' schemes \(context scalings by scheme: rope: linear, ntk, "
+              r"yarn; xpos: blockwise\): leave --scalings out or name one the runs have$"),
+             (("extrapolation", "--run", str(runs / "rope"), "--scalings", "blockwise"), ConfigError,
+              r"^--scalings blockwise apply to none")]
     for argv, kind, message in cases:
         with pytest.raises(kind, match=message) as err:
             analyze(*argv)
@@ -675,7 +690,7 @@ def test_rope_scaling_never_compresses_positions_below_the_training_length(runs)
     run = Run.load(runs / "rope")
     ids = torch.randint(0, 10, (2, 12))
     base = run.model(ids).logits
-    assert torch.allclose(with_rope_scaling(run.config, run.model, "linear", 0.5, 24)(ids).logits, base, atol=1e-5)
+    assert torch.allclose(with_context_scaling(run.config, run.model, "linear", 0.5, 24)(ids).logits, base, atol=1e-5)
 
 
 def test_text_windows_are_counted_up_and_a_text_of_exactly_one_window_is_read(lm_run):

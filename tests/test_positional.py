@@ -227,7 +227,7 @@ REVEALING_OPTIONS = {"fire": {"threshold_init": 1.0}}
 
 @pytest.mark.parametrize("name", sorted(SCHEMES))
 def test_scheme_capabilities_say_what_the_scheme_does(name):
-    """bias_only (what DSTG accepts as its relative term), context_scaling (what extrapolation rescales) and
+    """bias_only (what DSTG accepts as its relative term), context_scalings (what extrapolation rescales) and
     relative (what the shift-invariance tests cover) are read instead of scheme names, so they must be true to
     the scheme."""
     scheme = SCHEMES[name]
@@ -243,7 +243,10 @@ def test_scheme_capabilities_say_what_the_scheme_does(name):
                          and content is None)
     assert scheme.bias_only == touches_only_bias
     option_names = {f.name for f in dataclasses.fields(scheme.Options)}
-    assert scheme.context_scaling == ({"scaling", "factor", "original_max_len"} <= option_names)
+    for scaling in scheme.context_scalings:  # each names options the scheme has, which build a model
+        scaled = scheme.context_options(scaling, 4.0, 16)
+        assert set(scaled) <= option_names
+        build_positional(PositionalConfig(name, {**REVEALING_OPTIONS.get(name, {}), **scaled}), geometry)
     for module in (input_pos, *layers):
         if module is not None:
             module.init_weights(0.0, 0.5)  # a zero-initialised T5 table would be shift-invariant by accident

@@ -3,9 +3,11 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 from x_transformers.x_transformers import RotaryEmbedding, apply_rotary_pos_emb
 
 import poslab
+from poslab.analysis.capture import run_with_cache
 from poslab.errors import ConfigError
 from poslab.positional import AttentionGeometry, PositionalConfig, build_positional
 from poslab.positional.xpos import XPosOptions, xpos_zeta
@@ -161,6 +163,7 @@ def test_positions_past_float32s_range_are_refused_with_the_scale_base_that_fits
     ({"gamma": -0.1}, "xpos.gamma must be > 0"),
     ({"base": 1.0}, "xpos.base must be > 1"),
     ({"center": -3}, "xpos.center must be >= 0"),
+    ({"block": 0}, "xpos.block must be >= 1"),
     ({"scale": 512}, "unknown"),
 ])
 def test_bad_options_are_refused_in_one_line(options, message):
@@ -173,3 +176,75 @@ def test_frequency_norms_are_the_raw_pairs():
     q[..., 1], q[..., 5] = 3.0, 4.0  # pair 1 is channels (1, 5)
     norms, _ = xpos_layer(8).qk_frequency_norms(q, q)
     assert norms.flatten().tolist() == [0.0, 5.0, 0.0, 0.0] and not math.isnan(norms.sum())
+
+
+# --- blockwise causal attention ------------------------------------------------------------------------------
+
+def xpos_decoder(**options):
+    torch.manual_seed(0)
+    return poslab.build_model({"arch": "decoder", "vocab_size": 20, "d_model": 16, "n_heads": 2, "n_layers": 2,
+                               "max_seq_len": 32, "positional": {"name": "xpos", "options": options}}).eval()
+
+
+@settings(deadline=None, max_examples=40)
+@given(block=st.integers(1, 9), n=st.integers(1, 30), offset=st.integers(0, 40))
+def test_blocks_hide_exactly_the_keys_before_the_previous_block(block, n, offset):
+    """A query at t sees s (<= t) iff s // block >= t // block - 1: never 2 x block or more back, and always the
+    last block x 2 - 1 positions when t sits at the end of its block."""
+    pos = torch.arange(n)[None] + offset
+    bias = xpos_layer(block=block).logit_bias(pos, pos)
+    assert bias.shape == (1, 1, n, n)
+    seen = (bias[0, 0] == 0).tolist()
+    positions = pos[0].tolist()
+    assert seen == [[s // block >= t // block - 1 for s in positions] for t in positions]
+    assert all(t - s < 2 * block for i, t in enumerate(positions) for j, s in enumerate(positions)
+               if seen[i][j] and s <= t)
+
+
+def test_blockwise_attention_is_the_full_attention_renormalised_over_the_visible_keys():
+    ids = torch.randint(0, 20, (2, 20))
+    names = ["blocks.*.attn.probs", "blocks.*.attn.logits.content"]
+    blocked = xpos_decoder(block=4)
+    _, cache = run_with_cache(blocked, ids, names)
+    full = xpos_decoder()
+    full.load_state_dict(blocked.state_dict())
+    _, reference = run_with_cache(full, ids, ["blocks.0.attn.logits.content"])
+    t, s = torch.arange(20)[:, None], torch.arange(20)[None]
+    visible = (s <= t) & (s // 4 >= t // 4 - 1)
+    # the first layer sees the same inputs in both models: its content logits agree, and the blocked probabilities
+    # are their softmax over the visible keys only
+    content = reference["blocks.0.attn.logits.content"]
+    torch.testing.assert_close(cache["blocks.0.attn.logits.content"], content)
+    expected = torch.softmax(content.masked_fill(~visible, float("-inf")), -1)
+    torch.testing.assert_close(cache["blocks.0.attn.probs"], expected)
+    assert (cache["blocks.1.attn.probs"][..., ~visible] == 0).all()
+
+
+def test_a_block_as_long_as_the_input_changes_nothing():
+    ids = torch.randint(0, 20, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(xpos_decoder(block=24)(ids).logits, xpos_decoder()(ids).logits)
+        assert not torch.allclose(xpos_decoder(block=4)(ids).logits, xpos_decoder()(ids).logits)
+
+
+def test_blockwise_decoding_with_a_cache_matches_the_full_forward_with_padding():
+    """The mask reads the cached keys' positions: each new token sees its block and the one before only."""
+    from transformers import DynamicCache
+
+    m = xpos_decoder(block=3)
+    ids = torch.randint(1, 20, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding
+    with torch.no_grad():
+        full = m(ids, attention_mask=mask).logits
+        cache = DynamicCache()
+        steps = [m(ids[:, :5], attention_mask=mask[:, :5], cache=cache).logits]
+        steps += [m(ids[:, i:i + 1], attention_mask=mask[:, :i + 1], cache=cache).logits for i in range(5, 12)]
+    torch.testing.assert_close(torch.cat(steps, 1)[mask.bool()], full[mask.bool()], atol=1e-5, rtol=1e-4)
+
+
+def test_the_blockwise_scaling_sets_half_the_training_length():
+    from poslab.positional import get_scheme
+
+    assert get_scheme("xpos").context_options("blockwise", 10.0, 64) == {"block": 32}
+    assert get_scheme("xpos").context_options("blockwise", 2.0, 1) == {"block": 1}

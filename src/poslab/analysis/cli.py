@@ -20,7 +20,7 @@ MAX_FACTOR = 64
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from poslab.analysis.commands import ANALYSES, Options
-    from poslab.analysis.extrapolation import ROPE_SCALINGS
+    from poslab.analysis.extrapolation import CONTEXT_SCALINGS
 
     defaults = Options()
     p = subparsers.add_parser("analyze", help="measure a trained run (adjacency, probes, spectra, ...)",
@@ -47,8 +47,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--factors", type=float, nargs="+", default=list(defaults.factors),
                    help="extrapolation: evaluation lengths as multiples of the training length, each in "
                         f"(0, {MAX_FACTOR}]")
-    p.add_argument("--scalings", nargs="*", default=list(defaults.scalings), choices=list(ROPE_SCALINGS),
-                   help="extrapolation: RoPE scalings applied at evaluation to rope runs")
+    p.add_argument("--scalings", nargs="*", default=list(defaults.scalings), choices=list(CONTEXT_SCALINGS),
+                   help="extrapolation: context scalings applied at evaluation to the runs whose scheme has them "
+                        "(rope: linear, ntk, yarn; xpos: blockwise attention)")
     p.add_argument("--compare", nargs="*", default=[], metavar="DIR", help="extrapolation: more runs on the figure")
     p.add_argument("--eval-data", default=None, metavar="FILE.yaml",
                    help="extrapolation: evaluate on another corpus: a YAML mapping of data options over the run's "

@@ -19,7 +19,7 @@ from torch import nn
 
 from poslab.analysis import plots
 from poslab.analysis.capture import collect, iterate_captures
-from poslab.analysis.extrapolation import (ROPE_SCALINGS, evaluate_lengths, evaluation_config, rope_scaled_lengths,
+from poslab.analysis.extrapolation import (CONTEXT_SCALINGS, evaluate_lengths, evaluation_config, scaled_lengths,
                                            training_length, training_tokens)
 from poslab.analysis.frequencies import frequency_sums, usage_summary
 from poslab.analysis.heads import MARKS, allowed_keys, label_heads, term_variances, variance_shares
@@ -52,7 +52,7 @@ class Options:
     max_classes: int = 64
     threshold: float = 0.5
     factors: tuple[float, ...] = (1, 2, 3, 4, 6, 8, 10)
-    scalings: tuple[str, ...] = tuple(ROPE_SCALINGS)
+    scalings: tuple[str, ...] = CONTEXT_SCALINGS
     compare: tuple[str, ...] = ()
     checkpoint: str | None = None
     device: str = "cpu"
@@ -408,20 +408,22 @@ def _frequency_schemes() -> list[str]:
 # ------------------------------------------------------------------------------------------ extrapolation
 
 def extrapolation(run: Run, opts: Options) -> dict:
-    """Loss and accuracy against evaluation length for this run and --compare runs; RoPE runs also with
-    linear / NTK / YaRN scaling at evaluation. --eval-data evaluates every run on that corpus instead of its
+    """Loss and accuracy against evaluation length for this run and --compare runs; runs also with their
+    scheme's context scalings at evaluation (RoPE: linear / NTK / YaRN; xPos: blockwise attention). --eval-data evaluates every run on that corpus instead of its
     own data, with the run's own tokenizer (``poslab.analysis.extrapolation.evaluation_config``)."""
     runs = [run] + [Run.load(path, opts.checkpoint, opts.device) for path in opts.compare]
     dirs = [r.dir.resolve() for r in runs]
     for r, resolved in zip(runs, dirs):
         if dirs.count(resolved) > 1:
             raise ConfigError(f"{r.dir} is given more than once; --run and --compare name each run once")
-    scaled = {r.dir: get_scheme(r.config.model.to_dict().get("positional", {}).get("name", "nope")).context_scaling
-              for r in runs}  # by directory, which the check above made unique
+    # By directory, which the check above made unique: the scalings asked for that each run's scheme has.
+    scaled = {r.dir: [s for s in opts.scalings if s in get_scheme(
+        r.config.model.to_dict().get("positional", {}).get("name", "nope")).context_scalings] for r in runs}
     if not any(scaled.values()) and opts.scalings and tuple(opts.scalings) != Options().scalings:  # asked for, would be dropped
-        able = ", ".join(name for name, scheme in SCHEMES.items() if scheme.context_scaling)
-        raise ConfigError(f"--scalings rescale the context of runs whose scheme has a context scaling ({able}); "
-                          "none of these runs has one: leave --scalings out")
+        able = "; ".join(f"{name}: {', '.join(scheme.context_scalings)}" for name, scheme in SCHEMES.items()
+                         if scheme.context_scalings)
+        raise ConfigError(f"--scalings {' '.join(opts.scalings)} apply to none of these runs' schemes (context "
+                          f"scalings by scheme: {able}): leave --scalings out or name one the runs have")
     kinds = {(r.causal, r.config.data.kind) for r in runs}
     if len(kinds) > 1:  # a causal LM's next-token loss, a masked LM's and a task's answer loss are not comparable
         described = sorted(f"{'causal' if causal else 'bidirectional'} on {kind} data" for causal, kind in kinds)
@@ -443,10 +445,8 @@ def extrapolation(run: Run, opts: Options) -> dict:
             # An extrapolation that reaches no length past training measures nothing of what it is for
             raise DataError(f"{r.dir} could not be evaluated past its training length ({base}), so nothing was "
                             f"written; the first reason: {beyond[0]['error']}")
-        if scaled[r.dir]:
-            for scaling in opts.scalings:
-                curves[scaling] = rope_scaled_lengths(evaluated, r.model, lengths, scaling, opts.sequences,
-                                                      opts.batch_size)
+        for scaling in scaled[r.dir]:
+            curves[scaling] = scaled_lengths(evaluated, r.model, lengths, scaling, opts.sequences, opts.batch_size)
         data["runs"][label] = {"dir": str(r.dir), **r.measured(), "training_length": base, "curves": curves}
         for scaling, records in curves.items():
             key = label if scaling == "none" else f"{label} +{scaling}"

@@ -6,10 +6,10 @@ length, or on another corpus (``eval_data``, below). What "length" means depends
 (``LENGTHS``): text sources cut sequences of ``seq_len`` tokens; tasks draw problems of exactly L in the
 task's own length unit.
 
-RoPE models are also evaluated with the context-extension scalings of ``poslab.positional.rope``
-applied at evaluation time only (no fine-tuning): the model is rebuilt with the scaling in its
-positional options, factor = L / training length, and the same weights are loaded. "ntk" is the
-dynamic NTK-aware scaling.
+Models whose scheme has context scalings (``Scheme.context_scalings``: RoPE's linear, ntk -- the dynamic
+NTK-aware scaling -- and yarn; xPos's blockwise attention) are also evaluated with them applied at
+evaluation time only (no fine-tuning): the model is rebuilt with the scheme's ``context_options`` for
+factor = L / training length, and the same weights are loaded.
 
 Evaluating on another corpus (``eval_data``, text runs only): a mapping of data-section overrides applied
 at evaluation only, e.g. ``{source: {type: hf, name: emozilla/pg19, split: test, ...}, validation_documents:
@@ -30,7 +30,7 @@ config into the evaluated one, once, before any length is evaluated (a bad eval_
     model's size;
   * the evaluated split is then the corpus's ``validation``; ``seq_len`` cannot be overridden (the
     lengths are the training length times the factors).
-``evaluate_lengths`` and ``rope_scaled_lengths`` take ``eval_data``; their records are the same.
+``evaluate_lengths`` and ``scaled_lengths`` take ``eval_data``; their records are the same.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ import torch
 
 from poslab.errors import ConfigError, DataError, PoslabError, unknown_key_message
 from poslab.models import build_model
-from poslab.positional import get_scheme
+from poslab.positional import SCHEMES, get_scheme
 from poslab.tasks import build_task
 from poslab.train.config import RunConfig
 from poslab.train.evaluation import evaluate
@@ -80,9 +80,8 @@ LENGTHS: dict[str, LengthOption] = {
     "task": LengthOption(_task_training_length,
                          lambda n: {"min_len": n, "max_len": n, "train_max_len": None}, windows=lambda o: False),
 }
-# name -> (rope.scaling, whether factor = L / training length is passed). Dynamic NTK stretches its base by
-# the length it sees (alpha = L / original_max_len) and keeps factor 1, as Hugging Face's default does.
-ROPE_SCALINGS = {"linear": ("linear", True), "ntk": ("dynamic", False), "yarn": ("yarn", True)}
+# Every scheme's evaluation-time context scalings (``Scheme.context_scalings``), in registry order.
+CONTEXT_SCALINGS = tuple(dict.fromkeys(name for scheme in SCHEMES.values() for name in scheme.context_scalings))
 
 
 def _length_option(config: RunConfig) -> LengthOption:
@@ -216,19 +215,21 @@ def _check_same_tokenizer(corpus, options: dict[str, Any]) -> None:
         prepare(TextDataConfig.from_options(options), corpus.directory, force=True, evaluation_only=True)
 
 
-def with_rope_scaling(config: RunConfig, model: torch.nn.Module, scaling: str, factor: float,
-                      original_max_len: int) -> torch.nn.Module:
-    """The same weights in a model whose RoPE uses ``scaling`` ("linear", "ntk", "yarn") at ``factor``."""
-    if scaling not in ROPE_SCALINGS:
-        raise ConfigError(unknown_key_message("RoPE scaling", scaling, ROPE_SCALINGS))
+def with_context_scaling(config: RunConfig, model: torch.nn.Module, scaling: str, factor: float,
+                         original_max_len: int) -> torch.nn.Module:
+    """The same weights in a model whose scheme uses ``scaling`` (RoPE's "linear", "ntk", "yarn"; xPos's
+    "blockwise") at ``factor`` x ``original_max_len``."""
+    if scaling not in CONTEXT_SCALINGS:
+        raise ConfigError(unknown_key_message("context scaling", scaling, CONTEXT_SCALINGS))
     spec = config.model.to_dict()
-    scheme = spec.get("positional", {}).get("name")
-    if not get_scheme(scheme).context_scaling:
-        raise ConfigError(f"RoPE scaling applies to rope models; this run's positional scheme is '{scheme}'")
-    name, scaled_factor = ROPE_SCALINGS[scaling]
-    spec["positional"]["options"] = {**spec["positional"]["options"], "scaling": name,
-                                     "factor": float(max(1.0, factor)) if scaled_factor else 1.0,
-                                     "original_max_len": original_max_len}
+    name = spec.get("positional", {}).get("name", "nope")
+    scheme = get_scheme(name)
+    if scaling not in scheme.context_scalings:
+        able = ", ".join(n for n, s in SCHEMES.items() if scaling in s.context_scalings)
+        raise ConfigError(f"context scaling '{scaling}' applies to {able} models; this run's positional scheme is "
+                          f"'{name}'")
+    spec["positional"]["options"] = {**spec["positional"]["options"],
+                                     **scheme.context_options(scaling, factor, original_max_len)}
     scaled = build_model(spec)
     scaled.load_state_dict(model.state_dict())
     return scaled.to(next(model.parameters()).device).eval()
@@ -274,14 +275,14 @@ def evaluate_lengths(config: RunConfig, model: torch.nn.Module, lengths: list[in
     return out
 
 
-def rope_scaled_lengths(config: RunConfig, model: torch.nn.Module, lengths: list[int], scaling: str,
-                        sequences: int = 64, batch_size: int = 16,
-                        eval_data: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def scaled_lengths(config: RunConfig, model: torch.nn.Module, lengths: list[int], scaling: str,
+                   sequences: int = 64, batch_size: int = 16,
+                   eval_data: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """As ``evaluate_lengths``, with the model rebuilt under ``scaling`` at factor L / training length."""
     base, tokens = training_length(config), training_tokens(config)
     evaluated = evaluation_config(config, eval_data)
     out = []
     for length in lengths:
-        scaled = with_rope_scaling(config, model, scaling, length / base, tokens)
+        scaled = with_context_scaling(config, model, scaling, length / base, tokens)
         out.extend(evaluate_lengths(evaluated, scaled, [length], sequences, batch_size, longest=max(lengths)))
     return out

@@ -163,8 +163,9 @@ class Scheme(abc.ABC):
     Options: ClassVar[type]
     #: Touches attention only through ``logit_bias`` (T5, ALiBi): what DSTG can take as its relative term.
     bias_only: ClassVar[bool] = False
-    #: Its options take ``scaling``/``factor``/``original_max_len`` for evaluation past the training length.
-    context_scaling: ClassVar[bool] = False
+    #: Evaluation-time ways past the training length (RoPE's linear, ntk, yarn; xPos's blockwise attention):
+    #: ``poslab analyze extrapolation --scalings`` rebuilds the same weights with ``context_options``.
+    context_scalings: ClassVar[tuple[str, ...]] = ()
     #: Attention logits depend on positions only through their differences: shifting every position changes
     #: nothing (RoPE, PoPE, T5, ALiBi; NoPE trivially), where absolute schemes' do change.
     relative: ClassVar[bool] = False
@@ -174,6 +175,12 @@ class Scheme(abc.ABC):
     causal_reason: ClassVar[str] = ""
     #: What ``poslab analyze heads`` calls a head led by this scheme's ``bias`` logit term.
     bias_label: ClassVar[str] = "relative"
+
+    @classmethod
+    def context_options(cls, scaling: str, factor: float, original_max_len: int) -> dict[str, Any]:
+        """The options (over the run's own) that evaluate ``scaling`` at ``factor`` x ``original_max_len``, the
+        training context in tokens; ``scaling`` is one of ``context_scalings``."""
+        raise ConfigError(f"positional scheme '{cls.name}' has no context scaling '{scaling}'")
 
     @classmethod
     @abc.abstractmethod

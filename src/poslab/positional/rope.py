@@ -184,7 +184,15 @@ class RoPE(Scheme):
     name = "rope"
     relative = True
     Options = RoPEOptions
-    context_scaling = True
+    context_scalings = ("linear", "ntk", "yarn")
+
+    @classmethod
+    def context_options(cls, scaling: str, factor: float, original_max_len: int) -> dict:
+        # Dynamic NTK stretches its base by the length it sees (alpha = L / original_max_len) and keeps factor 1,
+        # as Hugging Face's default does.
+        name = {"linear": "linear", "ntk": "dynamic", "yarn": "yarn"}[scaling]
+        return {"scaling": name, "factor": 1.0 if name == "dynamic" else float(max(1.0, factor)),
+                "original_max_len": original_max_len}
 
     @classmethod
     def build(cls, options: RoPEOptions, geometry: AttentionGeometry):

@@ -16,6 +16,12 @@ fp32's (and bf16's) range, which build checks for max_seq_len; float16 holds onl
 side. Positions past what the inputs' dtype holds (a long generation, fp16) are refused in one line instead of
 overflowing to inf.
 
+Blockwise causal attention, the paper's way past the training length (``block``): positions fall into blocks of
+``block``, and a query sees the keys of its own block and of the one before, so no key lies ``2 x block`` or more
+positions back. Half the training length keeps every distance within what the model trained on, and is what the
+evaluation-time scaling ``blockwise`` (``poslab analyze extrapolation --scalings blockwise``) sets. It is a mask
+given as ``logit_bias`` (-inf on the hidden keys): it sees the cached keys' positions while decoding.
+
 Only causal models: for a key after its query the factor grows with distance instead of decaying, which is
 why the reference implementations refuse bidirectional attention too.
 """
@@ -46,6 +52,9 @@ class XPosOptions:
     gamma: float = 0.4
     #: The position whose scales are 1; None = max_seq_len // 2.
     center: int | None = None
+    #: Blockwise causal attention: a query sees the keys of its block of ``block`` positions and of the one before;
+    #: None = every earlier key (training).
+    block: int | None = None
 
     def __post_init__(self) -> None:
         require(self.base > 1, f"xpos.base must be > 1, got {self.base}")
@@ -53,6 +62,8 @@ class XPosOptions:
         require(self.gamma > 0, f"xpos.gamma must be > 0 (gamma / (1 + gamma) is the fastest pair's decay), "
                                 f"got {self.gamma}")
         require(self.center is None or self.center >= 0, f"xpos.center must be >= 0, got {self.center}")
+        require(self.block is None or self.block >= 1, f"xpos.block must be >= 1 (positions per block) or null for "
+                                                       f"attention to every earlier key, got {self.block}")
 
 
 def fastest_log_decay(gamma: float) -> float:
@@ -98,6 +109,14 @@ class XPosLayer(LayerPositional):
         cos_k, sin_k = (cos_q, sin_q) if k_pos is q_pos else rope_cos_sin(self.inv_freq, k_pos, 1.0)
         return self.rotate(q, cos_q, sin_q, self.scales(q_pos)), self.rotate(k, cos_k, sin_k, 1 / self.scales(k_pos))
 
+    def logit_bias(self, q_pos, k_pos):
+        """0 where a key lies in the query's block or the one before, -inf elsewhere: (batch or 1, 1, n, m) fp32."""
+        if self.opts.block is None:
+            return None
+        q_block, k_block = q_pos // self.opts.block, k_pos // self.opts.block
+        hidden = k_block[:, None, None, :] < q_block[:, None, :, None] - 1
+        return torch.zeros(hidden.shape, device=q_pos.device).masked_fill(hidden, float("-inf"))
+
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """x (batch, heads, n, d); cos, sin, scale (batch, 1, n, d) -> (batch, heads, n, d) in x's dtype."""
@@ -134,6 +153,11 @@ class XPos(Scheme):
     causal_only = True
     causal_reason = "toward later keys its factor grows with distance instead of decaying; use rope for encoders"
     Options = XPosOptions
+    context_scalings = ("blockwise",)
+
+    @classmethod
+    def context_options(cls, scaling: str, factor: float, original_max_len: int) -> dict:
+        return {"block": max(1, original_max_len // 2)}
 
     @classmethod
     def build(cls, options: XPosOptions, geometry: AttentionGeometry):
