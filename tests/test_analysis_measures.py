@@ -200,6 +200,19 @@ def test_variance_trend_against_scipy_and_its_quarters():
     assert trend["late_to_early"] == pytest.approx(0.375 / 6)
 
 
+def test_keys_a_term_masks_with_minus_infinity_are_not_counted():
+    """xPos's blocks hide keys through its bias: the variances are those of the keys left visible."""
+    content = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    hidden = torch.rand(2, 1, 6, 6) < 0.3
+    bias = torch.zeros(2, 3, 6, 6, dtype=torch.float64).masked_fill(hidden, float("-inf"))
+    allowed = allowed_keys(6, causal=True)
+    sums, rows = term_variances({"content": content, "bias": bias}, allowed)
+    expected, expected_rows = term_variances({"content": content}, allowed & ~hidden)
+    assert torch.isfinite(sums).all() and sums[1].eq(0).all()
+    torch.testing.assert_close(sums[:1], expected)
+    torch.testing.assert_close(rows, expected_rows)
+
+
 def test_a_head_is_named_at_exactly_the_threshold_share():
     """The rule is "at least ``threshold``" (a majority of 0.5 included), not "more than"."""
     shares = torch.tensor([[0.5, 0.4], [0.25, 0.35], [0.25, 0.25]], dtype=torch.float64)

@@ -37,8 +37,10 @@ def term_variances(terms: dict[str, torch.Tensor], allowed: torch.Tensor) -> tup
 
     terms: name -> (batch, heads, n, m); allowed (batch or 1, 1, n, m) bool.
     Returns (sums (terms, heads) float64, rows (heads,) float64) to be accumulated over batches.
+    A key some term puts at -inf (a mask given as a bias: xPos's blocks) is not attended to, so not allowed.
     """
     b, h, n, _ = next(iter(terms.values())).shape
+    allowed = allowed & torch.stack([torch.isfinite(t) for t in terms.values()]).all(0)
     count = allowed.sum(-1)  # (b or 1, 1, n)
     rows = (count >= 2).expand(b, h, n)
     out = []
