@@ -6,7 +6,7 @@ that asks its layer module what to do), default options, causal, through the def
 Bias schemes cost an extra (heads, n, n) tensor and SDPA's math path (a trained bias needs its gradient);
 FIRE also runs its MLP on every query-key pair.
 
-    python benchmarks/schemes.py [--n 512 2048] [--repeats 5] [--batch 4 --heads 8 --head-dim 64]
+    python benchmarks/schemes.py [--n 512 2048] [--repeats 5] [--batch 4 --heads 8 --head-dim 64] [--schemes cope]
 """
 from __future__ import annotations
 
@@ -45,10 +45,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--schemes", nargs="+", default=sorted(SCHEMES), choices=sorted(SCHEMES),
+                        help="the schemes to time (RoPE, the baseline, always)")
     args = parser.parse_args()
     print(f"# {platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads; batch {args.batch}, "
           f"{args.heads} heads of {args.head_dim}, causal, forward + backward of one attention layer")
-    names = ["rope"] + sorted(n for n in SCHEMES if n != "rope")
+    names = ["rope"] + sorted(n for n in set(args.schemes) if n != "rope")
     print("| scheme | " + " | ".join(f"n {n}: ms, / rope" for n in args.n) + " |")
     print("|---|" + "---|" * len(args.n))
     rows = {name: [] for name in names}

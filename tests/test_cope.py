@@ -15,7 +15,7 @@ from poslab.attention.core import attend, visible_keys
 from poslab.errors import ConfigError
 from poslab.experiments import plan as planning
 from poslab.models import ActivationCache
-from poslab.positional import SCHEMES, AttentionGeometry, PositionalConfig, build_positional
+from poslab.positional import SCHEMES, AttentionGeometry, PositionalConfig, build_positional, cope
 from poslab.positional.cope import CoPELayer
 
 F64 = torch.float64
@@ -88,9 +88,17 @@ CASES = {
 }
 
 
+def rows_per_chunk(monkeypatch, rows, batch, m):
+    """Make content_bias compute ``rows`` queries at a time for inputs of this batch and key count."""
+    monkeypatch.setattr(cope, "CHUNK_ELEMENTS", rows * batch * HEADS * m)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked"])
 @pytest.mark.parametrize("case", CASES)
-def test_logits_match_a_loop_over_queries_keys_and_counted_keys(case):
+def test_logits_match_a_loop_over_queries_keys_and_counted_keys(case, chunked, monkeypatch):
     c = CASES[case]
+    if chunked:  # 3 rows at a time: chunks of 3, 3, 1 for 7 queries, of 1 for the cached case's 2
+        rows_per_chunk(monkeypatch, 3 if c["n"] > 2 else 1, 2, c["m"])
     layer = random_layer(c["npos_max"])
     torch.manual_seed(1)
     q = torch.randn(2, HEADS, c["n"], HEAD_DIM, dtype=F64) * 2
@@ -137,10 +145,13 @@ def test_attention_logits_term_is_the_sum_of_the_hooks():
 
 # --- gradients ---------------------------------------------------------------------------------------------
 
-def test_attention_gradcheck_through_q_k_v_and_the_table():
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked"])
+def test_attention_gradcheck_through_q_k_v_and_the_table(chunked, monkeypatch):
     """The whole attention (softmax over content + CoPE bias, a padded row) in float64: the gradient reaches q
     and k through both the content term and the gates, and E through z = q E. Random inputs keep p off the
-    integers, where floor and ceil jump."""
+    integers, where floor and ceil jump. Chunked: 2 queries at a time, each chunk recomputed in backward."""
+    if chunked:
+        rows_per_chunk(monkeypatch, 2, 2, 5)
     layer = random_layer(4)
     torch.manual_seed(3)
     q, k, v = (torch.randn(2, HEADS, 5, HEAD_DIM, dtype=F64, requires_grad=True) for _ in range(3))
@@ -156,6 +167,34 @@ def test_attention_gradcheck_through_q_k_v_and_the_table():
     grads = torch.autograd.grad((out * torch.randn_like(out)).sum(), (q, k, v, table))
     assert all(g.abs().max() > 1e-3 for g in grads)
     assert gradcheck(attention, (q, k, v, table))
+
+
+def test_chunks_give_the_whole_bias_and_its_gradients_in_less_memory(monkeypatch):
+    """Rows in chunks of 5 (the last of 3), recomputed in backward: the same bias and gradients as the whole
+    (n, m) at once, to float32's rounding; without gradients the chunks are computed once."""
+    layer = cope_layer(npos_max=16, init_std=0.5, max_seq_len=32)
+    torch.manual_seed(4)
+    q, k = (torch.randn(3, HEADS, 23, HEAD_DIM, requires_grad=True) for _ in range(2))
+    weights = torch.randn(3, HEADS, 23, 23)
+
+    def bias_and_grads():
+        bias = layer.content_bias(q, k, causal=True, key_padding=None)
+        return (bias, *torch.autograd.grad((bias * weights).sum(), (q, k, layer.pos_emb)))
+
+    whole = bias_and_grads()
+    calls = []
+    rows_per_chunk(monkeypatch, 5, 3, 23)
+    bias = CoPELayer._bias
+    monkeypatch.setattr(CoPELayer, "_bias", lambda self, q, *rest: calls.append(q.shape[-2]) or bias(self, q, *rest))
+    chunked = bias_and_grads()
+    # each chunk once forward, once again in backward (where autograd reaches the last chunk first)
+    assert calls[:5] == [5, 5, 5, 5, 3] and sorted(calls[5:]) == [3, 5, 5, 5, 5]
+    for ours, reference in zip(chunked, whole):
+        torch.testing.assert_close(ours, reference)
+    calls.clear()
+    with torch.no_grad():
+        torch.testing.assert_close(layer.content_bias(q, k, causal=True, key_padding=None), whole[0])
+    assert calls == [5, 5, 5, 5, 3]
 
 
 def with_table(layer, table, fn):

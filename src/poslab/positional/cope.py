@@ -50,10 +50,18 @@ import torch
 from torch import nn
 from transformers import initialization as init
 
+from torch.utils.checkpoint import checkpoint
+
 from poslab.attention.core import visible_keys
 from poslab.errors import require
 from poslab.positional.base import AttentionGeometry, LayerPositional, Scheme
 from poslab.positional.options import options_dataclass
+
+
+# Elements of one (batch, heads, rows, m) tensor past which the bias is computed in chunks of rows: 16 MB in fp32,
+# under glibc's largest mmap threshold (32 MB), so chunks reuse heap memory instead of mapping fresh pages, whose
+# faults took most of a forward + backward's time at n 2048 (BENCHMARKS.md).
+CHUNK_ELEMENTS = 1 << 22
 
 
 @options_dataclass
@@ -101,13 +109,31 @@ class CoPELayer(LayerPositional):
     def content_bias(self, q: torch.Tensor, k: torch.Tensor, *, causal: bool, key_padding: torch.Tensor | None
                      ) -> torch.Tensor:
         """q (batch, heads, n, d), k (batch, heads, m, d), the queries the last n of the m keys ->
-        (batch, heads, n, m), at least fp32."""
+        (batch, heads, n, m), at least fp32.
+
+        A query's row depends on its own gates only, so past CHUNK_ELEMENTS per (batch, heads, n, m) tensor the
+        rows are computed in chunks, each recomputed in backward (``torch.utils.checkpoint``): the gates,
+        positions and interpolation tensors of one chunk at a time instead of the whole (n, m) of each.
+        """
         dtype = torch.promote_types(torch.promote_types(q.dtype, self.pos_emb.dtype), torch.float32)
-        q, k = q.to(dtype), k.to(dtype)
+        q, k, table = q.to(dtype), k.to(dtype), self.pos_emb.to(dtype)
         n, m = q.shape[-2], k.shape[-2]
         visible = visible_keys(n, m, causal=causal, key_padding=key_padding, device=q.device, q_offset=m - n)
+        per_row = q.shape[0] * q.shape[1] * m
+        if n * per_row <= CHUNK_ELEMENTS:
+            return self._bias(q, k, table, visible)
+        rows = max(1, CHUNK_ELEMENTS // per_row)
+        keep = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, table))
+        chunks = []
+        for i in range(0, n, rows):
+            args = (q[..., i:i + rows, :], k, table, visible[..., i:i + rows, :])
+            chunks.append(checkpoint(self._bias, *args, use_reentrant=False) if keep else self._bias(*args))
+        return torch.cat(chunks, dim=-2)
+
+    def _bias(self, q: torch.Tensor, k: torch.Tensor, table: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """The bias of the rows of q (batch, heads, r, d) against k (batch, heads, m, d): (batch, heads, r, m)."""
         p = self.positions(q, k, visible)
-        z = q @ self.pos_emb.to(dtype)  # q . E[:, e] for every entry e: (batch, heads, n, npos_max)
+        z = q @ table  # q . E[:, e] for every entry e: (batch, heads, r, npos_max)
         low = p.detach().floor().long()
         # The entry above floor p, not ceil p: at an integral p the slope is the next segment's instead of 0, and
         # lerp saves fewer (batch, heads, n, m) tensors for backward than (1 - w) a + w b.
