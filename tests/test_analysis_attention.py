@@ -1,8 +1,10 @@
-"""How far heads look (poslab.analysis.attention): measures on constructed attention and against a brute-force
-loop."""
+"""How far heads look (poslab.analysis.attention): measures on constructed attention, against a brute-force
+loop, and ``poslab analyze attention`` on tiny runs."""
 from __future__ import annotations
 
+import json
 import math
+import re
 
 import pytest
 import torch
@@ -10,6 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from poslab.analysis.attention import add_sums, attention_means, attention_sums
+from poslab.cli import main
+from poslab.train import RunConfig, train
 
 # Small models on shared cores: a second intra-op thread only adds OpenMP spinning.
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -183,3 +187,85 @@ def test_measures_match_a_brute_force_loop_and_stay_in_range(batch):
     farthest = max(lengths) - 1
     assert all(-1e-12 <= d <= farthest + 1e-9 for d in m["mean_distance"])
     assert all(-1e-12 <= e <= 1 + 1e-9 for e in m["entropy"])
+
+
+# ---- poslab analyze attention on tiny runs ------------------------------------------------------------------
+
+def decoder(positional: str) -> dict:
+    return {"seed": 0,
+            "model": {"arch": "decoder", "vocab_size": None, "d_model": 32, "n_layers": 2, "n_heads": 4,
+                      "max_seq_len": 24, "positional": {"name": positional}},
+            "data": {"kind": "task", "name": "addition", "min_len": 3, "max_len": 5, "validation_size": 16,
+                     "test_size": 8},
+            "train": {"steps": 2, "batch_size": 8, "lr": 1e-2, "warmup_steps": 1, "log_every": 10}}
+
+
+def dstg(cache) -> dict:
+    return {"seed": 0,
+            "model": {"arch": "dstg", "vocab_size": None, "n_layers": 1, "n_heads": 2, "d_ap": 8, "d_sem": 24,
+                      "max_seq_len": 16},
+            "data": {"kind": "mlm", "source": {"type": "synthetic", "documents": 30, "seed": 0},
+                     "tokenizer": {"type": "wordpiece", "vocab_size": 120, "train_documents": 20},
+                     "validation_documents": 8, "seq_len": 16, "cache_dir": str(cache)},
+            "train": {"steps": 2, "batch_size": 4, "warmup_steps": 0, "eval_batches": 1}}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("attention_runs")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    for name in ("alibi", "nope"):
+        train(RunConfig.from_dict(decoder(name)), root / name)
+    train(RunConfig.from_dict(dstg(root / "cache")), root / "dstg")
+    torch.set_num_threads(threads)
+    return root
+
+
+MEASURES = {"mean_distance", "distance_ratio", "entropy", "previous_token", "self", "first_token", "profile"}
+
+
+def analyzed(run, capsys) -> dict:
+    assert main(["analyze", "attention", "--run", str(run), "--sequences", "8", "--batch-size", "4"]) == 0
+    assert f"attention: measured {run}" in capsys.readouterr().out
+    data = json.loads((run / "analysis" / "attention.json").read_text())
+    assert data["figures"] == ["attention_distance.png", "attention_profile.png"]
+    for name in data["figures"]:
+        assert (run / "analysis" / name).read_bytes()[:4] == b"\x89PNG"
+    assert set(data["models"]) == {"trained", "init"} and data["uniform_distance"] > 0 and data["queries"] > 0
+    return data
+
+
+def test_a_decoder_run_and_alibis_steepest_head_looks_nearest(runs, capsys):
+    data = analyzed(runs / "alibi", capsys)
+    assert data["causal"] and data["offsets"] == list(range(data["sequence_length"]))
+    for model in data["models"].values():
+        assert set(model) == {"blocks.0", "blocks.1"}
+        for layer in model.values():
+            assert set(layer) == MEASURES and len(layer["mean_distance"]) == 4
+            assert all(len(row) == data["sequence_length"] for row in layer["profile"])
+    # At initialisation content logits are tiny and ALiBi's bias -slope * distance decides: head 0 has the
+    # steepest slope (1/4), head 3 the shallowest (1/256), nearly uniform attention.
+    for layer in data["models"]["init"].values():
+        distance = layer["mean_distance"]
+        assert distance == sorted(distance) and distance[0] < 0.8 * distance[3]
+        assert layer["distance_ratio"][3] == pytest.approx(1.0, abs=0.05)
+    nope = analyzed(runs / "nope", capsys)
+    assert nope["uniform_distance"] == data["uniform_distance"]  # the same problems and masks
+
+
+def test_an_encoder_run_has_signed_offsets(runs, capsys):
+    data = analyzed(runs / "dstg", capsys)
+    n = data["sequence_length"]
+    assert not data["causal"] and data["offsets"] == list(range(-(n - 1), n))
+    layer = data["models"]["trained"]["blocks.0"]
+    assert set(layer) == MEASURES and all(len(row) == 2 * n - 1 for row in layer["profile"])
+    assert all(0 <= e <= 1 + 1e-9 for e in layer["entropy"])
+
+
+@pytest.mark.parametrize("option", [["--threshold", "0.3"], ["--factors", "2"]])
+def test_an_option_attention_does_not_read_is_refused(option, tmp_path, capsys):
+    assert main(["analyze", "attention", "--run", str(tmp_path / "nowhere"), *option]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and re.search(f"analyze attention does not use {option[0]} \\(read by .*\\); leave it out",
+                                         err)
