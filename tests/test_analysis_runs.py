@@ -255,14 +255,14 @@ def test_a_rerun_removes_the_figures_it_no_longer_draws(runs):
 
 @pytest.mark.parametrize("kind, option, users", [
     ("adjacency", ["--compare", "x"], "extrapolation"), ("variance", ["--threshold", "0.9"], "heads"),
-    ("spectra", ["--sequences", "8"], "adjacency, variance, probes, heads, frequencies, extrapolation"),
+    ("spectra", ["--sequences", "8"], "adjacency, variance, probes, heads, attention, frequencies, extrapolation"),
     ("heads", ["--eval-data", "x.yaml"], "extrapolation"), ("extrapolation", ["--split", "test"], None),
     ("probes", ["--factors", "2"], "extrapolation"), ("frequencies", ["--probe-steps", "3"], "probes"),
-    ("evaluate", ["--sequences", "8"], "adjacency, variance, probes, heads, frequencies, extrapolation")])
+    ("evaluate", ["--sequences", "8"], "adjacency, variance, probes, heads, attention, frequencies, extrapolation")])
 def test_an_option_the_kind_does_not_read_is_refused(kind, option, users, tmp_path):
     """They were dropped without a word: `analyze adjacency --compare B` measured one run and exited 0."""
     name = option[0]
-    users = users or "adjacency, variance, probes, heads, frequencies, evaluate"
+    users = users or "adjacency, variance, probes, heads, attention, frequencies, evaluate"
     with pytest.raises(ConfigError, match=f"^analyze {kind} does not use {name} \\(read by {users}\\); leave it "
                                           "out$"):
         analyze(kind, "--run", str(tmp_path / "nowhere"), *option)

@@ -1,6 +1,6 @@
 """``poslab analyze KIND --run DIR [...]``: measure a trained run; writes DIR/analysis/<kind>.json and PNGs.
 
-KIND: adjacency, variance, probes, spectra, heads, frequencies, extrapolation, evaluate (see
+KIND: adjacency, variance, probes, spectra, heads, attention, frequencies, extrapolation, evaluate (see
 ``poslab.analysis.commands``). An option the KIND does not use is refused.
 """
 from __future__ import annotations

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from poslab.analysis import plots
+from poslab.analysis.attention import add_sums, attention_means, attention_sums
 from poslab.analysis.capture import collect, iterate_captures
 from poslab.analysis.extrapolation import (CONTEXT_SCALINGS, evaluate_lengths, evaluation_config, scaled_lengths,
                                            training_length, training_tokens)
@@ -347,6 +348,62 @@ def heads(run: Run, opts: Options) -> dict:
     return _finish(run, "heads", data, figures)
 
 
+# ---------------------------------------------------------------------------------------------- attention
+
+PROFILE_NOTE = ("profile[h][j]: the mean attention probability at offset offsets[j] = query - key over the queries "
+                "that see a key there; a mean per offset, not a distribution (it does not sum to 1)")
+
+
+def attention(run: Run, opts: Options) -> dict:
+    """Per layer and head, how far attention looks (``poslab.analysis.attention``), trained vs init."""
+    batches = run.batches(opts.sequences, opts.batch_size, opts.split)
+    data: dict = {"run": str(run.dir), "causal": run.causal, "profile_note": PROFILE_NOTE, "models": {}}
+    means = {}
+    for label, model in _models(run):
+        sums: dict[int, dict[str, torch.Tensor]] = {}
+        for batch, cache in iterate_captures(model, batches, "blocks.*.attn.probs"):
+            for name, probs in cache.items():
+                layer = layer_of(name) - 1
+                sums[layer] = add_sums(sums.get(layer), attention_sums(probs.cpu(), run.causal,
+                                                                       batch.get("attention_mask")))
+        if not sums:
+            raise ConfigError(f"attention needs attention probabilities, and the model of {run.dir} records none")
+        means[label] = {i: attention_means(sums[i]) for i in sorted(sums)}
+        data["queries"] = int(sums[min(sums)]["queries"])  # counted per head and layer; the same in each
+        data["models"][label] = {f"blocks.{i}": {k: v.tolist() for k, v in m.items()
+                                                 if k not in ("offsets", "uniform_distance")}
+                                 for i, m in means[label].items()}
+    first = next(iter(means["trained"].values()))
+    offsets = first["offsets"].tolist()
+    # The baseline depends on the masks alone, the same for every head, layer and model
+    data.update({"uniform_distance": float(first["uniform_distance"]), "sequence_length": offsets[-1] + 1,
+                 "offsets": offsets})
+    trained = means["trained"]
+    layers = list(trained)
+    heads_n = len(first["mean_distance"])
+    ratio = [trained[i]["distance_ratio"].tolist() for i in layers]
+    curves = [trained[i]["profile"] for i in layers]
+    positive = torch.cat([c[c > 0].flatten() for c in curves])  # NaN (no query there) fails > 0 too
+    # Probabilities fall off over orders of magnitude with distance (ALiBi's exponentially): a log axis shows
+    # them, but not a zero (a probability that underflowed), which is left out as a gap and counted in the title.
+    logy = positive.numel() > 0 and bool(positive.max() > 10 * positive.min())
+    hidden = sum(int((c == 0).sum()) for c in curves) if logy else 0
+    profiles = {f"layer {i + 1}": {f"head {h}": (offsets, [v if v > 0 or not logy else None for v in c[h].tolist()])
+                                   for h in range(heads_n)} for i, c in zip(layers, curves)}
+    figures = [
+        plots.heatmap(run.out_dir / "attention_distance.png", ratio,
+                      f"mean attention distance / uniform attention's ({run.name}, trained)\n"
+                      "< 1: local head, > 1: looks further than uniform", "head", "layer (1 = first block)",
+                      yticklabels=[str(i + 1) for i in layers], xticklabels=[str(h) for h in range(heads_n)], vmin=0,
+                      annotations=[[f"{v:.2f}" for v in row] for row in ratio]),
+        plots.line_panels(run.out_dir / "attention_profile.png", profiles,
+                          f"mean attention probability by offset ({run.name}, trained)"
+                          + (f"; {hidden} zeros not drawn on the log axis" if hidden else ""),
+                          "offset (query - key)", "mean probability", logy=logy),
+    ]
+    return _finish(run, "attention", data, figures)
+
+
 # -------------------------------------------------------------------------------------------- frequencies
 
 def frequencies(run: Run, opts: Options) -> dict:
@@ -473,6 +530,7 @@ ANALYSES: dict[str, Callable[[Run, Options], dict]] = {
     "probes": probes,
     "spectra": spectra,
     "heads": heads,
+    "attention": attention,
     "frequencies": frequencies,
     "extrapolation": extrapolation,
     "evaluate": evaluate,
@@ -487,6 +545,7 @@ READS: dict[str, set[str]] = {
     "probes": _BATCHES | {"targets", "probe_steps", "max_classes"},
     "spectra": set(),
     "heads": _BATCHES | {"threshold"},
+    "attention": _BATCHES,
     "frequencies": _BATCHES,
     "extrapolation": {"sequences", "batch_size", "factors", "scalings", "compare", "eval_data"},
     "evaluate": {"batch_size", "split"},

@@ -104,14 +104,17 @@ def lines(path: Path, series: dict[str, tuple[list, list]], title: str, xlabel: 
 
 
 def line_panels(path: Path, panels: dict[str, dict[str, tuple[list, list]]], title: str, xlabel: str,
-                ylabel: str) -> Path:
-    """One panel of lines per key (e.g. per probe target), sharing axes' labels, in rows of up to three."""
+                ylabel: str, logy: bool = False) -> Path:
+    """One panel of lines per key (e.g. per probe target), sharing axes' labels, in rows of up to three;
+    ``logy``: a log y axis (for positive values; a None or NaN is a gap)."""
     k = len(panels)
     cols = max(1, min(k, 3))
     rows = math.ceil(k / cols)
     fig, axes = _pyplot().subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False)
     for ax, (name, series) in zip(axes.flat, panels.items()):
         _draw_lines(ax, series, False, None)
+        if logy:
+            ax.set_yscale("log")
         ax.set_title(name, fontsize=9)
         ax.set(xlabel=xlabel, ylabel=ylabel)
         _legend(ax, len(series))
