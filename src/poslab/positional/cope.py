@@ -37,8 +37,9 @@ poslab's choices:
 - ``relative = True`` in the registry's sense: CoPE never reads position ids, so shifting them all changes
   nothing (as for NoPE); its positions are relative counts from the query back, computed from content.
 - No fused kernel: q k^T is computed a second time for the gates (the SDPA path never shows attention the
-  logits), and the (batch, heads, n, m) gates, positions and bias are materialised per layer, so a model pays
-  about one eager attention's memory per layer on top of SDPA's. With a KV cache the gates are computed against
+  logits), and the gates, positions and interpolation tensors are materialised, in chunks of queries past
+  ``CHUNK_ELEMENTS`` (recomputed in backward), so a model keeps one (batch, heads, n, m) bias per layer on top
+  of what SDPA's math path keeps for a trained bias. With a KV cache the gates are computed against
   every cached key, which holds raw k (CoPE does not transform q or k). ``--plan``'s FLOP counter sees its two
   matmuls, q k^T (2 n m d per head) and q E (2 n d npos_max per head), forward and backward.
 """
