@@ -44,6 +44,20 @@ def test_previous_token_attention():
     assert m["uniform_distance"] == pytest.approx(sum(t / 2 for t in range(1, n)) / (n - 1))
 
 
+def test_keys_the_model_hides_are_not_visible():
+    """Uniform attention over a window of 2 keys (a mask the model applies itself, e.g. xPos's blocks, given as
+    ``hidden``) is the baseline: ratio 1 and entropy 1, not a local head."""
+    n = 6
+    t, s = torch.arange(n)[:, None], torch.arange(n)[None]
+    hidden = (s < t - 1)[None, None]
+    probs = torch.zeros(1, 1, n, n).masked_fill(~hidden & (s <= t), 1.0)
+    probs = probs / probs.sum(-1, keepdim=True)
+    m = {k: v.tolist() for k, v in attention_means(attention_sums(probs, True, None, hidden)).items()}
+    assert m["distance_ratio"] == [pytest.approx(1.0)] and m["entropy"] == [pytest.approx(1.0)]
+    assert m["uniform_distance"] == pytest.approx(0.5) and m["previous_token"] == [pytest.approx(0.5)]
+    assert all(math.isnan(v) for v in m["profile"][0][2:])
+
+
 def test_uniform_causal_attention_is_the_baseline():
     m = measures(causal_uniform(9))
     assert m["distance_ratio"] == [pytest.approx(1.0)] and m["entropy"] == [pytest.approx(1.0)]
@@ -191,10 +205,10 @@ def test_measures_match_a_brute_force_loop_and_stay_in_range(batch):
 
 # ---- poslab analyze attention on tiny runs ------------------------------------------------------------------
 
-def decoder(positional: str) -> dict:
+def decoder(positional: str, **options) -> dict:
     return {"seed": 0,
             "model": {"arch": "decoder", "vocab_size": None, "d_model": 32, "n_layers": 2, "n_heads": 4,
-                      "max_seq_len": 24, "positional": {"name": positional}},
+                      "max_seq_len": 24, "positional": {"name": positional, "options": options}},
             "data": {"kind": "task", "name": "addition", "min_len": 3, "max_len": 5, "validation_size": 16,
                      "test_size": 8},
             "train": {"steps": 2, "batch_size": 8, "lr": 1e-2, "warmup_steps": 1, "log_every": 10}}
@@ -217,6 +231,7 @@ def runs(tmp_path_factory):
     torch.set_num_threads(1)
     for name in ("alibi", "nope"):
         train(RunConfig.from_dict(decoder(name)), root / name)
+    train(RunConfig.from_dict(decoder("xpos", block=2)), root / "xpos")
     train(RunConfig.from_dict(dstg(root / "cache")), root / "dstg")
     torch.set_num_threads(threads)
     return root
@@ -252,6 +267,18 @@ def test_a_decoder_run_and_alibis_steepest_head_looks_nearest(runs, capsys):
         assert layer["distance_ratio"][3] == pytest.approx(1.0, abs=0.05)
     nope = analyzed(runs / "nope", capsys)
     assert nope["uniform_distance"] == data["uniform_distance"]  # the same problems and masks
+
+
+def test_keys_a_model_masks_itself_are_not_in_the_baselines(runs, capsys):
+    """xPos with blocks of 2 hides every key 4 or more back through its bias: at initialisation its heads attend
+    nearly uniformly over the keys they see, which is what the baseline must be."""
+    data = analyzed(runs / "xpos", capsys)
+    nope = analyzed(runs / "nope", capsys)
+    assert data["uniform_distance"] < nope["uniform_distance"]
+    for layer in data["models"]["init"].values():
+        assert layer["distance_ratio"] == pytest.approx([1.0] * 4, abs=0.05)
+        assert layer["entropy"] == pytest.approx([1.0] * 4, abs=0.01)
+        assert all(v is None for row in layer["profile"] for v in row[4:])  # no query sees 4 or more back (null)
 
 
 def test_an_encoder_run_has_signed_offsets(runs, capsys):

@@ -320,10 +320,10 @@ def test_bias_is_fp32_from_a_bf16_model_and_counts_past_bf16s_integers():
     assert cope_layer().double().content_bias(q.double(), k.double(), causal=True, key_padding=None).dtype == F64
 
 
-def test_a_meta_device_model_materialises_and_plans():
+def test_a_meta_device_model_materialises_and_plans(monkeypatch):
     """from_pretrained's path and --plan's: forward on the meta device reads no values. The FLOP count is the
     standard one (6 n M + 12 L n^2 d) plus CoPE's two matmuls per layer, q k^T for the gates (2 n^2 d) and q E
-    (2 n d npos_max), forward and backward (x 3)."""
+    (2 n d npos_max), forward and backward (x 3), chunked or not (no recomputation counted)."""
     config = {"arch": "decoder", "vocab_size": 30, "d_model": 16, "n_heads": 2, "n_layers": 2, "max_seq_len": 12,
               "positional": {"name": "cope", "options": {"init_std": 0.5}}}
     torch.manual_seed(0)
@@ -342,8 +342,10 @@ def test_a_meta_device_model_materialises_and_plans():
                  if p.dim() == 2 and name != "model.embed.weight" and not name.endswith("pos_emb"))
     parameters, flops = planning._count(json.dumps(config, sort_keys=True), n)
     assert parameters == reference.num_parameters()
-    cope = 3 * layers_ * (2 * n * n * width + 2 * n * width * npos)
-    assert flops == 6 * n * matmul + 12 * layers_ * n * n * width + cope
+    extra = 3 * layers_ * (2 * n * n * width + 2 * n * width * npos)
+    assert flops == 6 * n * matmul + 12 * layers_ * n * n * width + extra
+    rows_per_chunk(monkeypatch, 3, 1, n)
+    assert planning._count.__wrapped__(json.dumps(config, sort_keys=True), n)[1] == flops
 
 
 def test_a_tiny_decoder_trains():
@@ -393,3 +395,14 @@ def test_good_options_and_registry():
     layers = build_positional(PositionalConfig("cope", {"npos_max": 5}), AttentionGeometry(3, 2, 4, 8, 16, True))[1]
     assert len({id(layer) for layer in layers}) == 3 and all(isinstance(layer, CoPELayer) for layer in layers)
     assert layers[0].pos_emb.shape == (4, 5)
+
+
+def test_the_bias_stays_fp32_under_bf16_autocast():
+    """Training on CUDA runs in bf16 autocast, which would make the gates' matmul, their count and q E bf16."""
+    layer = cope_layer(npos_max=1024, init_std=0.5, max_seq_len=1024)
+    q, k = torch.randn(1, HEADS, 300, HEAD_DIM), torch.randn(1, HEADS, 300, HEAD_DIM)
+    expected = layer.content_bias(q, k, causal=True, key_padding=None)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = layer.content_bias(q, k, causal=True, key_padding=None)
+    assert ours.dtype == torch.float32
+    torch.testing.assert_close(ours, expected)

@@ -243,6 +243,7 @@ def test_scheme_capabilities_say_what_the_scheme_does(name):
                          and content is None)
     assert scheme.bias_only == touches_only_bias
     option_names = {f.name for f in dataclasses.fields(scheme.Options)}
+    assert scheme.context_scalings == {"rope": ("linear", "ntk", "yarn"), "xpos": ("blockwise",)}.get(name, ())
     for scaling in scheme.context_scalings:  # each names options the scheme has, which build a model
         scaled = scheme.context_options(scaling, 4.0, 16)
         assert set(scaled) <= option_names

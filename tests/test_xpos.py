@@ -199,6 +199,9 @@ def test_blocks_hide_exactly_the_keys_before_the_previous_block(block, n, offset
     assert seen == [[s // block >= t // block - 1 for s in positions] for t in positions]
     assert all(t - s < 2 * block for i, t in enumerate(positions) for j, s in enumerate(positions)
                if seen[i][j] and s <= t)
+    for i, t in enumerate(positions):  # the last position of a block past the first sees 2 x block - 1 back
+        if t // block >= 1 and (t + 1) % block == 0 and t - (2 * block - 1) in positions:
+            assert seen[i][positions.index(t - (2 * block - 1))]
 
 
 def test_blockwise_attention_is_the_full_attention_renormalised_over_the_visible_keys():
@@ -247,4 +250,10 @@ def test_the_blockwise_scaling_sets_half_the_training_length():
     from poslab.positional import get_scheme
 
     assert get_scheme("xpos").context_options("blockwise", 10.0, 64) == {"block": 32}
+    # an odd length: blocks of 32 reach 63 back, within its 65; 33 would reach 65, past anything trained on
+    assert get_scheme("xpos").context_options("blockwise", 10.0, 65) == {"block": 32}
     assert get_scheme("xpos").context_options("blockwise", 2.0, 1) == {"block": 1}
+    with pytest.raises(ConfigError, match="positional scheme 'xpos' has no context scaling 'yarn'"):
+        get_scheme("xpos").context_options("yarn", 2.0, 64)
+    with pytest.raises(ConfigError, match="positional scheme 'rope' has no context scaling 'blockwise'"):
+        get_scheme("rope").context_options("blockwise", 2.0, 64)

@@ -30,12 +30,13 @@ import torch
 from poslab.analysis.heads import allowed_keys
 
 
-def attention_sums(probs: torch.Tensor, causal: bool, attention_mask: torch.Tensor | None = None
-                   ) -> dict[str, torch.Tensor]:
+def attention_sums(probs: torch.Tensor, causal: bool, attention_mask: torch.Tensor | None = None,
+                   hidden: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Per-head sums of each measure over one batch's counted queries, and the counts to divide them by.
 
     probs (batch, heads, n, n), summing to 1 over each query's visible keys (as the models' do; anything
-    on other keys is ignored); attention_mask (batch, n), 1 for real tokens. Returns float64 tensors:
+    on other keys is ignored); attention_mask (batch, n), 1 for real tokens; hidden (batch or 1, 1, n, n) bool,
+    True on keys the model itself masks (a logit bias at -inf in every head: xPos's blocks), not visible either. Returns float64 tensors:
     ``distance``, ``entropy``, ``previous_token``, ``self``, ``first_token`` (heads,); ``uniform_distance``
     and the counts ``queries``, ``previous_queries``, ``first_queries`` (); ``profile``
     (heads, offsets) and ``profile_queries`` (offsets,) at ``offsets`` (offsets,) = 0..n-1 when causal, else
@@ -43,6 +44,8 @@ def attention_sums(probs: torch.Tensor, causal: bool, attention_mask: torch.Tens
     """
     b, h, n, _ = probs.shape
     allowed = allowed_keys(n, causal, attention_mask).expand(b, 1, n, n)
+    if hidden is not None:
+        allowed = allowed & ~hidden
     visible = allowed.sum(-1)  # (b, 1, n)
     chosen = visible >= 2  # the queries counted: those with a choice (module docstring)
     allowed = allowed & chosen[..., None]

@@ -324,7 +324,7 @@ def heads(run: Run, opts: Options) -> dict:
     if len(names) < 2:
         raise ConfigError(f"heads compares additive logit terms, but this model has only '{names[0]}' "
                           f"(models with positional {' or '.join(n for n, c in SCHEMES.items() if c.bias_only)} "
-                          "add 'bias'; arch dstg has ap/sem/rp)")
+                          "add 'bias', as do cope and xpos with a block; arch dstg has ap/sem/rp)")
     layers = sorted(sums)
     shares = torch.stack([variance_shares(torch.stack([sums[i][t] for t in names])) for i in layers])  # (L, T, H)
     bias_label = get_scheme(run.config.model.to_dict().get("positional", {}).get("name", "nope")).bias_label
@@ -361,11 +361,14 @@ def attention(run: Run, opts: Options) -> dict:
     means = {}
     for label, model in _models(run):
         sums: dict[int, dict[str, torch.Tensor]] = {}
-        for batch, cache in iterate_captures(model, batches, "blocks.*.attn.probs"):
-            for name, probs in cache.items():
+        # The bias term too: keys it puts at -inf (xPos's blocks) are not visible, for the baselines either
+        for batch, cache in iterate_captures(model, batches, ["blocks.*.attn.probs", "blocks.*.attn.logits.bias"]):
+            for name in [name for name in cache if name.endswith(".probs")]:
                 layer = layer_of(name) - 1
-                sums[layer] = add_sums(sums.get(layer), attention_sums(probs.cpu(), run.causal,
-                                                                       batch.get("attention_mask")))
+                bias = f"blocks.{layer}.attn.logits.bias"
+                hidden = torch.isneginf(cache[bias].cpu()).all(1, keepdim=True) if bias in cache else None
+                sums[layer] = add_sums(sums.get(layer), attention_sums(cache[name].cpu(), run.causal,
+                                                                       batch.get("attention_mask"), hidden))
         if not sums:
             raise ConfigError(f"attention needs attention probabilities, and the model of {run.dir} records none")
         means[label] = {i: attention_means(sums[i]) for i in sorted(sums)}
@@ -466,8 +469,9 @@ def _frequency_schemes() -> list[str]:
 
 def extrapolation(run: Run, opts: Options) -> dict:
     """Loss and accuracy against evaluation length for this run and --compare runs; runs also with their
-    scheme's context scalings at evaluation (RoPE: linear / NTK / YaRN; xPos: blockwise attention). --eval-data evaluates every run on that corpus instead of its
-    own data, with the run's own tokenizer (``poslab.analysis.extrapolation.evaluation_config``)."""
+    scheme's context scalings at evaluation (RoPE: linear / NTK / YaRN; xPos: blockwise attention). --eval-data
+    evaluates every run on that corpus instead of its own data, with the run's own tokenizer
+    (``poslab.analysis.extrapolation.evaluation_config``)."""
     runs = [run] + [Run.load(path, opts.checkpoint, opts.device) for path in opts.compare]
     dirs = [r.dir.resolve() for r in runs]
     for r, resolved in zip(runs, dirs):

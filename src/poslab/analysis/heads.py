@@ -40,8 +40,8 @@ def term_variances(terms: dict[str, torch.Tensor], allowed: torch.Tensor) -> tup
     A key some term puts at -inf (a mask given as a bias: xPos's blocks) is not attended to, so not allowed.
     """
     b, h, n, _ = next(iter(terms.values())).shape
-    allowed = allowed & torch.stack([torch.isfinite(t) for t in terms.values()]).all(0)
-    count = allowed.sum(-1)  # (b or 1, 1, n)
+    allowed = allowed & ~torch.stack([torch.isneginf(t) for t in terms.values()]).any(0)
+    count = allowed.sum(-1)  # (b or 1, 1 or h, n)
     rows = (count >= 2).expand(b, h, n)
     out = []
     for logits in terms.values():

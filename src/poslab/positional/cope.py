@@ -116,6 +116,10 @@ class CoPELayer(LayerPositional):
         rows are computed in chunks, each recomputed in backward (``torch.utils.checkpoint``): the gates,
         positions and interpolation tensors of one chunk at a time instead of the whole (n, m) of each.
         """
+        # Under autocast (bf16 training) the matmuls and the count would be bf16 again, whatever dtype q has.
+        if q.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(q.device.type):
+            with torch.autocast(q.device.type, enabled=False):
+                return self.content_bias(q, k, causal=causal, key_padding=key_padding)
         dtype = torch.promote_types(torch.promote_types(q.dtype, self.pos_emb.dtype), torch.float32)
         q, k, table = q.to(dtype), k.to(dtype), self.pos_emb.to(dtype)
         n, m = q.shape[-2], k.shape[-2]
@@ -124,7 +128,8 @@ class CoPELayer(LayerPositional):
         if n * per_row <= CHUNK_ELEMENTS:
             return self._bias(q, k, table, visible)
         rows = max(1, CHUNK_ELEMENTS // per_row)
-        keep = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, table))
+        # Not on the meta device: --plan would count the recomputation as a fourth pass of the two matmuls.
+        keep = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, table)) and not q.is_meta
         chunks = []
         for i in range(0, n, rows):
             args = (q[..., i:i + rows, :], k, table, visible[..., i:i + rows, :])

@@ -188,6 +188,8 @@ class RoPE(Scheme):
 
     @classmethod
     def context_options(cls, scaling: str, factor: float, original_max_len: int) -> dict:
+        if scaling not in cls.context_scalings:
+            return super().context_options(scaling, factor, original_max_len)
         # Dynamic NTK stretches its base by the length it sees (alpha = L / original_max_len) and keeps factor 1,
         # as Hugging Face's default does.
         name = {"linear": "linear", "ntk": "dynamic", "yarn": "yarn"}[scaling]

@@ -20,7 +20,8 @@ Blockwise causal attention, the paper's way past the training length (``block``)
 ``block``, and a query sees the keys of its own block and of the one before, so no key lies ``2 x block`` or more
 positions back. Half the training length keeps every distance within what the model trained on, and is what the
 evaluation-time scaling ``blockwise`` (``poslab analyze extrapolation --scalings blockwise``) sets. It is a mask
-given as ``logit_bias`` (-inf on the hidden keys): it sees the cached keys' positions while decoding.
+given as ``logit_bias`` (-inf on the hidden keys): it sees the cached keys' positions while decoding. Blocks
+are fixed in position, so with them xPos is no longer relative (``Scheme.relative`` describes its default).
 
 Only causal models: for a key after its query the factor grows with distance instead of decaying, which is
 why the reference implementations refuse bidirectional attention too.
@@ -157,6 +158,9 @@ class XPos(Scheme):
 
     @classmethod
     def context_options(cls, scaling: str, factor: float, original_max_len: int) -> dict:
+        if scaling not in cls.context_scalings:
+            return super().context_options(scaling, factor, original_max_len)
+        # Floor: blocks of (L - 1) / 2 for an odd L keep the farthest key, 2 x block - 1 back, within L - 1.
         return {"block": max(1, original_max_len // 2)}
 
     @classmethod
