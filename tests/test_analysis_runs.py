@@ -356,7 +356,8 @@ def test_bad_input_errors(runs, tmp_path):
               r"rotary frequencies \(rope, pope, xpos\)"),  # the schemes found in the registry, not a list kept by hand
              (("heads", "--run", str(runs / "rope"), "--sequences", "8"), ConfigError,
               r"only 'content' \(models with positional "  # the bias-only schemes in the registry, in its order
-              + " or ".join(name for name, scheme in SCHEMES.items() if scheme.bias_only) + " add 'bias', as do cope and xpos with a block"),
+              + " or ".join(name for name, scheme in SCHEMES.items() if scheme.bias_only)
+              + " add 'bias', as do cope and xpos with a block"),
              (("probes", "--run", str(runs / "rope"), "--sequences", "2"), DataError, "too few sequences"),
              (("adjacncy", "--run", str(runs / "rope")), ConfigError, "did you mean 'adjacency'"),
              (("probes", "--run", str(runs / "rope"), "--targets", "sentence_index"), ConfigError, "offers: position"),

@@ -36,8 +36,8 @@ def attention_sums(probs: torch.Tensor, causal: bool, attention_mask: torch.Tens
 
     probs (batch, heads, n, n), summing to 1 over each query's visible keys (as the models' do; anything
     on other keys is ignored); attention_mask (batch, n), 1 for real tokens; hidden (batch or 1, 1, n, n) bool,
-    True on keys the model itself masks (a logit bias at -inf in every head: xPos's blocks), not visible either. Returns float64 tensors:
-    ``distance``, ``entropy``, ``previous_token``, ``self``, ``first_token`` (heads,); ``uniform_distance``
+    True on keys the model itself masks (a logit bias at -inf in every head: xPos's blocks), not visible either.
+    Returns float64 tensors: ``distance``, ``entropy``, ``previous_token``, ``self``, ``first_token`` (heads,); ``uniform_distance``
     and the counts ``queries``, ``previous_queries``, ``first_queries`` (); ``profile``
     (heads, offsets) and ``profile_queries`` (offsets,) at ``offsets`` (offsets,) = 0..n-1 when causal, else
     -(n-1)..n-1.
