@@ -49,9 +49,8 @@ import math
 
 import torch
 from torch import nn
-from transformers import initialization as init
-
 from torch.utils.checkpoint import checkpoint
+from transformers import initialization as init
 
 from poslab.attention.core import visible_keys
 from poslab.errors import require
