@@ -32,7 +32,7 @@ from poslab.analysis.similarity import cosine_self_similarity, sequence_adjacenc
 from poslab.analysis.spectra import pca, spectrum_summary
 from poslab.analysis.variance import variance_profile, variance_trend
 from poslab.errors import ConfigError, DataError
-from poslab.positional import SCHEMES, AttentionGeometry, InputPositional, LayerPositional, get_scheme
+from poslab.positional import SCHEMES, AttentionGeometry, InputPositional, LayerPositional
 from poslab.train import evaluation as training_evaluation
 
 STREAMS = ["embed", "embed.*", "blocks.*.resid_post", "blocks.*.resid_post.*"]
@@ -327,7 +327,7 @@ def heads(run: Run, opts: Options) -> dict:
                           "add 'bias', as do cope and xpos with a block; arch dstg has ap/sem/rp)")
     layers = sorted(sums)
     shares = torch.stack([variance_shares(torch.stack([sums[i][t] for t in names])) for i in layers])  # (L, T, H)
-    bias_label = get_scheme(run.config.model.to_dict().get("positional", {}).get("name", "nope")).bias_label
+    bias_label = run.scheme.bias_label
     labels = [label_heads(shares[i], names, opts.threshold, bias_label) for i in range(len(layers))]
     data = {"run": str(run.dir), "terms": names, "threshold": opts.threshold,
             "rule": "label = the term with the largest share of within-row logit variance when >= threshold, "
@@ -478,8 +478,7 @@ def extrapolation(run: Run, opts: Options) -> dict:
         if dirs.count(resolved) > 1:
             raise ConfigError(f"{r.dir} is given more than once; --run and --compare name each run once")
     # By directory, which the check above made unique: the scalings asked for that each run's scheme has.
-    scaled = {r.dir: [s for s in opts.scalings if s in get_scheme(
-        r.config.model.to_dict().get("positional", {}).get("name", "nope")).context_scalings] for r in runs}
+    scaled = {r.dir: [s for s in opts.scalings if s in r.scheme.context_scalings] for r in runs}
     if not any(scaled.values()) and opts.scalings and tuple(opts.scalings) != Options().scalings:  # asked for, would be dropped
         able = "; ".join(f"{name}: {', '.join(scheme.context_scalings)}" for name, scheme in SCHEMES.items()
                          if scheme.context_scalings)

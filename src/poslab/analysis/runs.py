@@ -15,6 +15,7 @@ import torch
 from poslab.analysis.capture import take_batches
 from poslab.errors import CheckpointError, ConfigError, DataError, require, unknown_key_message
 from poslab.models import build_model
+from poslab.positional import Scheme, get_scheme
 from poslab.train.config import RunConfig
 from poslab.train.provenance import tokenizer_difference
 from poslab.train.checkpoint import load_trainer_state
@@ -77,6 +78,11 @@ class Run:
     @property
     def name(self) -> str:
         return self.dir.resolve().name
+
+    @property
+    def scheme(self) -> type[Scheme]:
+        """The registered positional scheme of the run's model (NoPE where it names none: DSTG)."""
+        return get_scheme(self.config.model.to_dict().get("positional", {}).get("name", "nope"))
 
     @property
     def causal(self) -> bool:
