@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from hypothesis import given, settings
@@ -227,6 +228,74 @@ def test_hf_source_unreachable_is_one_line_without_the_hub_s_retries(monkeypatch
         list(HFSource(name="org/corpus").documents())
     assert not [r for r in caplog.records if "Retrying" in r.getMessage()]
     assert logging.getLogger("huggingface_hub").level == level  # restored
+
+
+def _hub_cache_with(tmp_path, repo: str, rows: list[dict]) -> str:
+    """A datasets cache holding ``repo`` as a download from the hub leaves it (built here from a local file)."""
+    import datasets
+
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    datasets.load_dataset("json", data_files=str(tmp_path / "rows.jsonl"), split="train",
+                          cache_dir=str(tmp_path / "build"))
+    built = next(p for p in (tmp_path / "build" / "json").glob("*/*/*") if p.is_dir())
+    cached = tmp_path / "cache" / repo.replace("/", "___") / "default" / "0.0.0" / built.name
+    shutil.copytree(built, cached)
+    (cached / "json-train.arrow").rename(cached / f"{repo.split('/')[-1]}-train.arrow")
+    return str(tmp_path / "cache")
+
+
+@pytest.mark.parametrize("network", ["no name resolution", "proxy", "resolves"])
+def test_hf_source_reads_the_cache_at_once_where_the_hub_cannot_be_reached(network, tmp_path, monkeypatch):
+    """Offline without HF_HUB_OFFLINE a hub dataset waited 25 s for the hub client's retries, then fell back to
+    its cached copy or failed. Where the hub's name does not resolve both clients now go offline for the load:
+    the cached copy is read at once, a missing one fails at once with one line; behind a proxy, or where the
+    name resolves, the hub is asked as before. Offline mode is on only during the load."""
+    import socket
+
+    import datasets
+    import huggingface_hub
+
+    from poslab.data import sources
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", _hub_cache_with(tmp_path, "org/corpus", [
+        {"text": "Cached here. Read offline."}]))
+
+    def lookup(host, port, *args):
+        if network == "no name resolution":
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("192.0.2.1", port))]
+
+    monkeypatch.setattr(sources.socket, "getaddrinfo", lookup)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "https://hub.example.org")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    for name in sources.PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    if network == "proxy":
+        monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example.org:3128")
+    load, modes = datasets.load_dataset, []
+
+    def spy(name, *args, **kwargs):
+        modes.append((datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE))
+        if network != "no name resolution":  # the client would ask the hub: answer as an unreachable one does
+            raise ConnectionError(f"Couldn't reach '{name}' on the Hub (LocalEntryNotFoundError)")
+        return load(name, *args, **kwargs)
+
+    monkeypatch.setattr(datasets, "load_dataset", spy)
+    offline = network == "no name resolution"
+    if offline:
+        assert list(HFSource(name="org/corpus").documents()) == [[["Cached here.", "Read offline."]]]
+    with pytest.raises(DataError) as err:
+        list(HFSource(name="org/missing").documents())
+    assert modes == [(offline, offline)] * (1 + offline)
+    assert (datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE) == (False, False)
+    if offline:
+        assert str(err.value) == ("cannot load Hugging Face dataset 'org/missing': not in the Hugging Face cache, "
+                                  "and the hub (hub.example.org) cannot be reached: its name does not resolve; fetch "
+                                  "it where there is internet")
+    else:
+        assert str(err.value) == ("cannot load Hugging Face dataset 'org/missing': Couldn't reach 'org/missing' on "
+                                  "the Hub (LocalEntryNotFoundError)")
 
 
 @pytest.mark.parametrize("source,message", [

@@ -237,12 +237,16 @@ class HFSource:
         o = self.opts
         # A row the loader cannot parse fails inside load_dataset, wrapped, or (streaming) while rows are read.
         failures = (ValueError, OSError, DatasetGenerationError)
+        unreachable = hub_unreachable()
         try:
-            with hub_retries_quiet():
+            with hub_retries_quiet(), hub_offline(unreachable is not None):
                 ds = datasets.load_dataset(o.name, o.config_name, split=o.split, streaming=o.streaming,
                                            data_files=o.data_files, data_dir=o.data_dir, revision=o.revision)
         except failures as err:
-            raise DataError(f"cannot load Hugging Face dataset '{o.name}': {_first_line(err)}") from None
+            why = _first_line(err)
+            if unreachable is not None and isinstance(err, ConnectionError):  # offline mode's: not in the cache
+                why = f"not in the Hugging Face cache, and {unreachable}; fetch it where there is internet"
+            raise DataError(f"cannot load Hugging Face dataset '{o.name}': {why}") from None
         rows = iter(ds)
         for i in itertools.count():
             try:
@@ -273,6 +277,25 @@ def hub_retries_quiet() -> Iterator[None]:
         yield
     finally:
         hub.setLevel(level)
+
+
+@contextlib.contextmanager
+def hub_offline(offline: bool) -> Iterator[None]:
+    """Both hub clients in offline mode while ``offline``, as HF_HUB_OFFLINE=1 puts them: a dataset is then
+    read from the datasets cache at once, or fails at once, where the client would retry a hub it cannot
+    reach for 25 s before falling back to the same cache."""
+    import datasets
+    from huggingface_hub import constants
+
+    if not offline:
+        yield
+        return
+    saved = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = saved
 
 
 PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
