@@ -320,6 +320,58 @@ def test_a_mask_of_another_shape_is_one_input_error(arch, shape):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_an_additive_mask_is_one_input_error(arch):
+    """Hugging Face's internal additive masks (0 for real tokens, a large negative number for padding) were
+    read as 0/1 masks the other way round: real tokens hidden, padding seen. 0/1 masks of any dtype pass."""
+    m = build(arch).eval()
+    ids = torch.randint(0, 40, (2, 6))
+    additive = torch.zeros(2, 6)
+    additive[1, 4:] = -1e4
+    with pytest.raises(InputError, match=r"^attention_mask must hold 1 for real tokens and 0 for padding, got values "
+                                         r"in \[-10000, 0\]; pass the 0/1 padding mask"):
+        m(ids, attention_mask=additive)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, 4:] = 0
+    for dtype in (torch.long, torch.bool, torch.float32):
+        torch.testing.assert_close(m(ids, attention_mask=mask.to(dtype)).logits, m(ids, attention_mask=mask).logits)
+    m(ids, attention_mask=torch.zeros(2, 6))  # all padding is still a 0/1 mask
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("position_ids,message", [
+    (torch.arange(6), r"position_ids must be \(batch, length\) = \(2, 6\) or \(1, 6\) for every sequence alike, "
+                      r"got shape \(6,\)"),
+    (torch.arange(5)[None], r"got shape \(1, 5\)"),
+    (torch.arange(6)[None, None], r"got shape \(1, 1, 6\)"),
+    (torch.arange(6).expand(3, 6), r"got shape \(3, 6\)"),
+    (torch.arange(6.0)[None], r"position_ids must be an integer tensor \(torch.long\), got torch.float32"),
+    ([[0, 1, 2, 3, 4, 5]], r"position_ids must be an integer tensor \(torch.long\), got list"),
+])
+def test_position_ids_of_another_shape_or_dtype_are_one_input_error(arch, position_ids, message):
+    """They failed in a broadcast inside a scheme (RoPE's rotation, ALiBi's bias) or in an embedding."""
+    m = build(arch).eval()
+    with pytest.raises(InputError, match=message):
+        m(torch.randint(0, 40, (2, 6)), position_ids=position_ids)
+    m(torch.randint(0, 40, (2, 6)), position_ids=torch.arange(6, dtype=torch.int32).expand(2, 6))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_input_ids_of_one_dimension_are_one_input_error(arch):
+    with pytest.raises(InputError, match=r"^input_ids must be \(batch, n\), got shape \(6,\); a single sequence "
+                                         r"is input_ids\[None\]"):
+        build(arch)(torch.randint(0, 40, (6,)))
+
+
+def test_a_legacy_tuple_cache_is_one_input_error():
+    m = build("decoder").eval()
+    ids = torch.randint(0, 40, (1, 4))
+    legacy = tuple((torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16)) for _ in range(2))
+    with pytest.raises(InputError, match=r"^past_key_values must be a transformers Cache \(DynamicCache, what "
+                                         r"generate makes\), got tuple"):
+        m(ids, past_key_values=legacy)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_inputs_embeds_is_refused_in_one_line(arch):
     m = build(arch)
     with pytest.raises(InputError, match="inputs_embeds is not supported"):

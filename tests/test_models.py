@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelF
 import poslab
 from poslab.errors import ConfigError, InputError
 from poslab.models import DSTGConfig, ModelConfig
-from poslab.positional import SCHEMES
+from poslab.positional import SCHEMES, PositionalConfig
 
 ALL = sorted(SCHEMES)
 RELATIVE = sorted(name for name, scheme in SCHEMES.items() if scheme.relative)  # logits depend only on s - t
@@ -244,6 +244,8 @@ def test_sequence_longer_than_learned_table_names_the_limit():
     m = model("decoder", "learned")
     with pytest.raises(InputError, match="64 positions"):
         m(torch.zeros(1, 65, dtype=torch.long))
+    with pytest.raises(InputError, match="^position -1 is negative; the learned position table starts at 0"):
+        m(torch.zeros(1, 3, dtype=torch.long), position_ids=torch.tensor([[-1, 0, 1]]))  # was the embedding's IndexError
 
 
 @pytest.mark.parametrize("cfg,message", [
@@ -258,6 +260,30 @@ def test_sequence_longer_than_learned_table_names_the_limit():
 def test_bad_configs_rejected_at_build_time(cfg, message):
     with pytest.raises(ConfigError, match=message):
         poslab.build_model(cfg)
+
+
+@pytest.mark.parametrize("cfg,message", [
+    ({"arch": "encoder", "positional": {"name": "xpos"}}, "^xpos needs a causal model \\(arch: decoder\\)"),
+    ({"arch": "encoder", "positional": {"name": "cope"}}, "^cope needs a causal model"),
+    ({"arch": "decoder", "positional": {"name": "t5", "options": {"num_buckets": 32, "max_distance": 16}}},
+     "^t5.max_distance must exceed the exact range \\(16\\) of 32 causal buckets"),
+    ({"arch": "decoder", "attn_backend": "triton", "positional": {"name": "alibi"}},
+     "^attn_backend 'triton' runs a scheme's fused kernel, and alibi has none \\(pope has\\)"),
+    ({"max_seq_len": 200_000, "positional": {"name": "xpos"}}, "^xpos scales at positions 100000 from their centre"),
+])
+def test_configs_that_can_never_build_are_refused_when_made(cfg, message):
+    """These passed ModelConfig (and a training config holding it) and failed only when the model was built or
+    first run; the scheme's own build checks now run on the meta device when the config is made."""
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig(**{**cfg, "positional": PositionalConfig(**cfg["positional"])})
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_dict(cfg)
+
+
+def test_a_config_check_allocates_nothing():
+    """A learned table of 10^12 positions is a config a GPU cannot hold, not one the check may try to allocate."""
+    config = ModelConfig.from_dict({"positional": {"name": "learned", "options": {"max_positions": 10**12}}})
+    assert config.positional.options["max_positions"] == 10**12
 
 
 def _mlm_pair(arch: str) -> tuple[torch.nn.Module, torch.nn.Module]:

@@ -236,13 +236,27 @@ def test_ablation_magnitudes_survive_from_pretrained_and_leave_the_fused_kernel(
     x = torch.randint(0, 40, (1, 9))
     torch.testing.assert_close(loaded(x).logits, model(x).logits)
 
-    monkeypatch.setattr(kernels, "fused_pope_supports", lambda q: True)
+    monkeypatch.setattr(kernels, "fused_pope_supports", lambda q, *kv: True)
     monkeypatch.setattr(flash, "pope_flash_attention", lambda *args, **kwargs: "fused")
     cuda_like, pos = SimpleNamespace(is_cuda=True), torch.arange(9)[None]
     for magnitude, expected in [("softplus", "fused"), ("relu", None), ("identity", None)]:
         layer = pope_model("auto", magnitude=magnitude).model.layer_positional[0]
         assert layer.fused_attention(cuda_like, None, None, pos, pos, causal=True, scale=1.0,
                                      key_padding=None) == expected, magnitude
+
+
+def test_the_kernel_is_offered_only_k_and_v_of_qs_dtype_and_width(monkeypatch):
+    """pope_attention takes a v of another width than q and k (SDPA does); on CUDA it was sent to the kernel,
+    which refuses one, so a call that works on the CPU failed on a GPU."""
+    pytest.importorskip("triton")
+    from poslab.kernels import fused_pope_supports
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernel's CPU mode: supported without a GPU
+    q = torch.randn(1, 2, 4, 32)
+    assert fused_pope_supports(q) and fused_pope_supports(q, q, q)
+    assert not fused_pope_supports(q, q, torch.randn(1, 2, 4, 16))
+    assert not fused_pope_supports(q, q.half(), q)
+    assert pope_attention(q, q, torch.randn(1, 2, 4, 16)).shape == (1, 2, 4, 16)
 
 
 def test_long_positions_keep_phase_precision():
@@ -263,6 +277,33 @@ def test_forced_triton_backend_without_cuda_is_a_clear_error():
     model = pope_model("triton")
     with pytest.raises(ConfigError, match="attn_backend 'triton' needs a CUDA GPU"):
         model(torch.randint(0, 40, (1, 8)))
+
+
+def test_forced_triton_backend_decodes_and_is_inspected_through_sdpa(monkeypatch):
+    """A KV cache holds transformed keys, which the kernel never makes, and captures need probabilities or q and
+    k: with "triton" forced, generate() and output_attentions raised that the GPU lacked Triton, on a GPU too.
+    The fused call is stood in for by its Cartesian result where the kernel would run (no GPU here); it is
+    asked for the full forward only, and generation matches the SDPA model's."""
+    from poslab.functional import pope_polar
+    from poslab.positional.pope import PolarLayer
+
+    calls = []
+
+    def fused(self, q, k, v, q_pos, k_pos, *, causal, scale, key_padding):
+        calls.append(q.shape[-2])
+        qc, kc = pope_polar(q, q_pos, self.theta), pope_polar(k, k_pos, self.theta, self.delta)
+        return torch.nn.functional.scaled_dot_product_attention(qc, kc, v, is_causal=causal, scale=scale)
+
+    monkeypatch.setattr(PolarLayer, "fused_attention", fused)
+    forced, sdpa = pope_model("triton").eval(), pope_model("sdpa").eval()
+    ids = torch.randint(0, 40, (1, 5))
+    torch.testing.assert_close(forced(ids).logits, sdpa(ids).logits, rtol=1e-5, atol=1e-5)
+    assert calls == [5, 5]
+    calls.clear()
+    kept = forced.generate(ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(kept, sdpa.generate(ids, max_new_tokens=4, do_sample=False))
+    assert calls == []  # every step decoded through the cache
+    assert len(forced(ids, output_attentions=True).attentions) == 2 and calls == []
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the kernel's own tests cover CPU)")

@@ -277,7 +277,7 @@ def cast_model(name: str, options: dict):
 
 
 def test_the_schemes_with_fixed_tables_are_found():
-    assert {"rope", "pope", "alibi"} <= {name for name in SCHEMES if fp32_tables(cast_model(name, {}))}
+    assert {"rope", "pope", "alibi", "xpos"} <= {name for name in SCHEMES if fp32_tables(cast_model(name, {}))}
 
 
 @pytest.mark.parametrize("name,options", [(name, {}) for name in sorted(SCHEMES)] +
@@ -291,6 +291,24 @@ def test_a_model_cast_keeps_its_fixed_tables_in_fp32(name, options, dtype):
     model.to(dtype)
     assert model.model.embed.weight.dtype == dtype  # the weights do follow the cast
     for key, kept in fp32_tables(model).items():
+        assert kept.dtype == torch.float32 and torch.equal(kept, exact[key]), key
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_model_loaded_in_half_precision_keeps_its_fixed_tables_in_fp32(name, dtype, tmp_path):
+    """from_pretrained(dtype=bf16) builds the model under bf16 as the default dtype: xPos's tables, made without
+    a dtype, were bf16 (inv_freq 0.4% off) and stayed so after .float(), as casts keep fixed tables."""
+    from transformers import AutoModelForCausalLM
+
+    model = cast_model(name, {})
+    exact = {key: table.clone() for key, table in fp32_tables(model).items()}
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype)
+    assert loaded.model.embed.weight.dtype == dtype
+    tables = fp32_tables(loaded)
+    assert tables.keys() == exact.keys()
+    for key, kept in tables.items():
         assert kept.dtype == torch.float32 and torch.equal(kept, exact[key]), key
 
 

@@ -8,7 +8,7 @@ from x_transformers.x_transformers import RotaryEmbedding, apply_rotary_pos_emb
 
 import poslab
 from poslab.analysis.capture import run_with_cache
-from poslab.errors import ConfigError
+from poslab.errors import ConfigError, InputError
 from poslab.positional import AttentionGeometry, PositionalConfig, build_positional
 from poslab.positional.xpos import XPosOptions, xpos_zeta
 
@@ -137,11 +137,26 @@ def test_float16_past_its_range_is_refused_and_bfloat16_there_stays_finite():
     layer = xpos_layer(max_seq_len=8192, scale_base=128.0)  # scales are 1 at position 4096
     q, k = torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16)
     far, near = torch.arange(6)[None], torch.arange(4090, 4096)[None]  # e^(4096 * 1.25 / 128) >> 65504
-    with pytest.raises(ConfigError, match="overflow float16.*run in bfloat16 or float32, or raise xpos.scale_base"):
+    with pytest.raises(InputError, match="overflow float16.*run in bfloat16 or float32, or raise xpos.scale_base"):
         layer.transform_qk(q.half(), k.half(), far, far)
     for dtype, pos in ((torch.bfloat16, far), (torch.float16, near)):
         q2, k2 = layer.transform_qk(q.to(dtype), k.to(dtype), pos, pos)
         assert bool(torch.isfinite(q2).all() and torch.isfinite(k2).all())
+
+
+def test_float16_q_and_k_that_overflow_inside_the_positions_reach_are_refused():
+    """The positions' check allows for entries of about 1: entries of 4 at positions it accepts overflowed to inf
+    in float16 and gave NaN logits. The scaled values themselves are read in float16; the same inputs in
+    bfloat16 stay finite."""
+    layer = xpos_layer(max_seq_len=128, scale_base=8.0)  # centre 64
+    pos = torch.arange(128)[None]
+    q = torch.full((1, 1, 128, 16), 4.0)
+    with pytest.raises(InputError, match=r"^xpos-scaled q or k overflow float16 at positions up to 64 from their "
+                                         r"centre \(64\): run in bfloat16 or float32"):
+        layer.transform_qk(q.half(), q.half(), pos, pos)
+    assert bool(torch.isfinite(torch.cat(layer.transform_qk(q.bfloat16(), q.bfloat16(), pos, pos))).all())
+    small = torch.full((1, 1, 128, 16), 0.05).half()  # the same positions with small entries pass
+    assert bool(torch.isfinite(torch.cat(layer.transform_qk(small, small, pos, pos))).all())
 
 
 def test_positions_past_float32s_range_are_refused_with_the_scale_base_that_fits():
@@ -151,7 +166,7 @@ def test_positions_past_float32s_range_are_refused_with_the_scale_base_that_fits
     fine = torch.arange(500, 503)[None]
     assert bool(torch.isfinite(torch.cat(layer.transform_qk(q, k, fine, fine))).all())
     far = torch.arange(600, 603)[None]
-    with pytest.raises(ConfigError, match=r"positions 570 from their centre \(32\) overflow float32, which holds 510: "
+    with pytest.raises(InputError, match=r"positions 570 from their centre \(32\) overflow float32, which holds 510: "
                                           r"raise xpos.scale_base to at least 9"):
         layer.transform_qk(q, k, far, far)
     wider = xpos_layer(max_seq_len=64, scale_base=9.0)  # the value suggested

@@ -177,3 +177,23 @@ def check_attention_mask(mask: Any, batch: int, length: int) -> None:
         raise InputError(f"attention_mask must be (batch, length) = ({batch}, {length}) with 1 for real tokens and 0 "
                          f"for padding, got shape {tuple(mask.shape)}; the model makes its causal and padding masks "
                          "itself, so pass the 2-D padding mask (packed documents: position_ids)")
+    if mask.numel() and mask.device.type != "meta":
+        low, high = (float(v) for v in mask.aminmax())
+        # An additive mask (0 for real tokens, a large negative number for padding) was read the other way round
+        if {low, high} - {0.0, 1.0}:
+            raise InputError(f"attention_mask must hold 1 for real tokens and 0 for padding, got values in [{low:g}, "
+                             f"{high:g}]; pass the 0/1 padding mask, not an additive one (0 / -inf)")
+
+
+def check_position_ids(position_ids: Any, batch: int, length: int) -> None:
+    """InputError unless ``position_ids`` is None or an integer (1 or batch, length) tensor: other shapes
+    and dtypes failed in a broadcast or an embedding deep inside a scheme."""
+    if position_ids is None:
+        return
+    dtype = getattr(position_ids, "dtype", None)
+    if dtype is None or dtype.is_floating_point or dtype.is_complex or str(dtype) == "torch.bool":
+        raise InputError(f"position_ids must be an integer tensor (torch.long), got "
+                         f"{getattr(position_ids, 'dtype', type(position_ids).__name__)}")
+    if position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != length:
+        raise InputError(f"position_ids must be (batch, length) = ({batch}, {length}) or (1, {length}) for every "
+                         f"sequence alike, got shape {tuple(position_ids.shape)}")

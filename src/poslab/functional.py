@@ -118,7 +118,7 @@ def pope_attention(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     from poslab.kernels import fused_pope_supports
 
-    if q.is_cuda and fused_pope_supports(q):
+    if q.is_cuda and fused_pope_supports(q, k, v):
         from poslab.kernels.pope_flash import pope_flash_attention
 
         return pope_flash_attention(q, k, v, delta, base=base, causal=causal, scale=scale,

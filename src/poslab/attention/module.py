@@ -17,7 +17,8 @@ class MultiHeadAttention(nn.Module):
     ``positional`` is this layer's scheme module (or None). It is held by reference, not registered:
     the model owns each scheme module once, so a module shared by all layers is saved once.
     ``backend``: "auto" (a scheme's fused kernel when it has one for these inputs, else SDPA),
-    "sdpa", "eager", or "triton" (the fused kernel or an error).
+    "sdpa", "eager", or "triton" (the fused kernel or an error; decoding with a KV cache and captures of
+    probabilities, logits, q or k go through SDPA or eager attention, which the kernel cannot serve).
     """
 
     def __init__(self, d_model: int, n_heads: int, *, causal: bool, positional: LayerPositional | None,
@@ -51,14 +52,17 @@ class MultiHeadAttention(nn.Module):
                 capture.record(f"{name}.freq_norms.q", norms[0])
                 capture.record(f"{name}.freq_norms.k", norms[1])
 
+        # A KV cache holds keys after the positional transform, which a fused kernel never makes, and inspection
+        # needs the probabilities or q and k: both go the unfused way, with "triton" forced too.
         if pos is not None and self.backend in ("auto", "triton") and not inspect and kv_cache is None:
             fused = pos.fused_attention(q, k, v, positions, positions, causal=self.causal, scale=scale,
                                         key_padding=key_padding)
             if fused is not None:
                 return self.out(fused.transpose(1, 2).reshape(b, n, -1))
-        if self.backend == "triton":
-            raise ConfigError("attn_backend 'triton' needs a CUDA GPU with Triton and a scheme that has a fused "
-                              "kernel (pope, with its softplus magnitudes); use attn_backend 'auto' or 'sdpa'")
+            if self.backend == "triton":
+                raise ConfigError("attn_backend 'triton' needs a CUDA GPU with Triton, pope with its softplus "
+                                  "magnitudes, position_ids shared by the batch that count up by one, and right "
+                                  "padding only; use attn_backend 'auto' to fall back to SDPA where these fail")
 
         bias, k_positions = None, positions
         if pos is not None:

@@ -28,10 +28,12 @@ def triton_available() -> bool:
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def fused_pope_supports(q: torch.Tensor) -> bool:
-    """Whether the fused PoPE kernel can run on this q (and k, v of the same kind) here."""
+def fused_pope_supports(q: torch.Tensor, *kv: torch.Tensor) -> bool:
+    """Whether the fused PoPE kernel can run on this q here, and on k and v when given: they must have q's
+    dtype and head dim (pope_attention takes a v of another width, which only SDPA serves)."""
     if not triton_available() or not (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return False
     from poslab.kernels.pope_flash import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
 
-    return q.shape[-1] in SUPPORTED_HEAD_DIMS and q.dtype in SUPPORTED_DTYPES
+    return (q.shape[-1] in SUPPORTED_HEAD_DIMS and q.dtype in SUPPORTED_DTYPES
+            and all(x.dtype == q.dtype and x.shape[-1] == q.shape[-1] for x in kv))

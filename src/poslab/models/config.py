@@ -5,9 +5,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from poslab.attention import BACKENDS
 from poslab.errors import check_fields, known_fields, require, shown
-from poslab.positional import PositionalConfig
+from poslab.positional import AttentionGeometry, LayerPositional, PositionalConfig, build_positional
 
 ARCHS = ("decoder", "encoder")
 NORMS = ("rmsnorm", "layernorm")
@@ -71,6 +73,20 @@ class ModelConfig:
                 "tie_embeddings is for decoders (arch: decoder); the encoder's masked-LM head keeps its own weights")
         require(not (self.sparse_prediction and self.causal),
                 "sparse_prediction is for masked-LM encoders (arch: encoder); remove it from the decoder's config")
+        self._check_positional()
+
+    def _check_positional(self) -> None:
+        """The checks a scheme makes of the model it goes into (xPos and CoPE in decoders only, T5's range in the
+        model's direction, an even head dim for rotations, ...) run when it is built: build it here, on the meta
+        device (nothing allocated), so a config that can never build is refused when it is made. One layer's: no
+        check depends on depth, and 10^8 layers would take hours to build even there."""
+        with torch.device("meta"):
+            _, layers = build_positional(self.positional, AttentionGeometry(
+                1, self.n_heads, self.head_dim, self.d_model, self.max_seq_len, self.causal))
+        fused = any(type(layer).fused_attention is not LayerPositional.fused_attention for layer in layers if layer)
+        require(self.attn_backend != "triton" or fused,
+                f"attn_backend 'triton' runs a scheme's fused kernel, and {self.positional.name} has none (pope has); "
+                "use attn_backend 'auto' or 'sdpa'")
 
     @property
     def causal(self) -> bool:

@@ -34,7 +34,8 @@ from transformers.utils import ModelOutput
 from transformers.utils.generic import can_return_tuple
 
 from poslab.attention import attend
-from poslab.errors import ConfigError, InputError, check_attention_mask, check_token_ids, unknown_key_message
+from poslab.errors import (ConfigError, InputError, check_attention_mask, check_position_ids, check_token_ids,
+                           unknown_key_message)
 from poslab.models.dstg_config import DSTGConfig
 from poslab.models.hf import (MLMHead, PoslabPreTrainedModel, SpecConfig, collected_outputs, masked_lm_output,
                               output_capture, require_input_ids)
@@ -274,6 +275,7 @@ class DSTGNeoBertModel(DSTGPreTrainedModel):
         b = input_ids.shape[0]
         check_token_ids(input_ids, self.embed.num_embeddings)
         check_attention_mask(attention_mask, b, input_ids.shape[1])
+        check_position_ids(position_ids, b, input_ids.shape[1])
         capture, own = output_capture(self.config, capture, output_hidden_states, output_attentions)
         positions = self.positions(input_ids, attention_mask, position_ids)
         key_padding = None if attention_mask is None or bool(attention_mask.all()) else attention_mask
@@ -373,7 +375,8 @@ def ready_config(name: str, scale: str = "paper") -> dict[str, Any]:
 
 
 def count_parameters(values: dict[str, Any]) -> int:
-    """Trainable parameters of the model a config builds, without allocating its weights."""
+    """Parameters of the model a config builds, without allocating its weights: all of them, DSTG's frozen last
+    AP down-projection and norm (``_freeze_unreachable``) included, as the model holds and saves them."""
     from poslab.models import build_model  # late: poslab.models imports this module
 
     with torch.device("meta"):

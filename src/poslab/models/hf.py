@@ -19,7 +19,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.utils.generic import can_return_tuple
 
 from poslab.attention.module import cached_key_positions
-from poslab.errors import ConfigError, InputError, check_attention_mask, check_token_ids
+from poslab.errors import ConfigError, InputError, check_attention_mask, check_position_ids, check_token_ids
 from poslab.models.blocks import Block, make_norm
 from poslab.models.cache import ActivationCache, CaptureGroup
 from poslab.models.config import ModelConfig
@@ -144,6 +144,9 @@ def require_input_ids(input_ids, inputs_embeds) -> None:
                          "add its position table there); pass input_ids")
     if input_ids is None:
         raise InputError("input_ids is required: pass the token ids (batch, n)")
+    if input_ids.dim() != 2:
+        raise InputError(f"input_ids must be (batch, n), got shape {tuple(input_ids.shape)}; a single sequence is "
+                         "input_ids[None]")
 
 
 def scored_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
@@ -255,12 +258,16 @@ class PoslabModel(PoslabPreTrainedModel):
         with ``use_cache``). Other keywords (``token_type_ids``: no segment embedding here) are ignored."""
         require_input_ids(input_ids, inputs_embeds)
         cache = cache if cache is not None else past_key_values
+        if cache is not None and not hasattr(cache, "get_seq_length"):
+            raise InputError(f"past_key_values must be a transformers Cache (DynamicCache, what generate makes), got "
+                             f"{type(cache).__name__}; the tuple-of-tensors layout of older transformers is not read")
         if use_cache and cache is None and self.config.is_decoder:
             cache = DynamicCache(config=self.config)
         check_token_ids(input_ids, self.embed.num_embeddings)
         n = input_ids.shape[1]
         past = cache.get_seq_length() if cache is not None else 0
         check_attention_mask(attention_mask, input_ids.shape[0], past + n)
+        check_position_ids(position_ids, input_ids.shape[0], n)
         capture, own = output_capture(self.config, capture, output_hidden_states, output_attentions)
         positions = position_ids if position_ids is not None else torch.arange(past, past + n, device=input_ids.device)[None]
         key_padding = None if attention_mask is None or bool(attention_mask.all()) else attention_mask
@@ -307,6 +314,9 @@ class PoslabForCausalLM(PoslabPreTrainedModel, GenerationMixin):
                 capture=None, cache=None, past_key_values=None, use_cache: bool | None = None,
                 num_items_in_batch=None, **kwargs) -> CausalLMOutputWithPast:
         cache = cache if cache is not None else past_key_values
+        if cache is not None and not hasattr(cache, "get_seq_length"):
+            raise InputError(f"past_key_values must be a transformers Cache (DynamicCache, what generate makes), got "
+                             f"{type(cache).__name__}; the tuple-of-tensors layout of older transformers is not read")
         out = self.model(input_ids, attention_mask, position_ids, capture, cache, use_cache=use_cache, return_dict=True,
                          **kwargs)
         logits = self.lm_head(out.last_hidden_state)

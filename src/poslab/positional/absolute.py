@@ -34,11 +34,13 @@ class LearnedTable(InputPositional):
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         limit = self.weight.shape[0]
         # Meta tensors (poslab.experiments.plan counts FLOPs on them) hold no positions to check.
-        if positions.numel() and not positions.is_meta and int(positions.max()) >= limit:
-            raise InputError(
-                f"position {int(positions.max())} is beyond the learned position table ({limit} positions); "
-                f"use sequences of at most {limit} tokens or a model with a larger max_seq_len"
-            )
+        if positions.numel() and not positions.is_meta:
+            low, high = (int(v) for v in positions.aminmax())
+            if low < 0:
+                raise InputError(f"position {low} is negative; the learned position table starts at 0")
+            if high >= limit:
+                raise InputError(f"position {high} is beyond the learned position table ({limit} positions); "
+                                 f"use sequences of at most {limit} tokens or a model with a larger max_seq_len")
         return x + F.embedding(positions, self.weight).to(x.dtype)
 
 

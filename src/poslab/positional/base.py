@@ -127,7 +127,7 @@ class LayerPositional(nn.Module):
         return q, k
 
     def logit_bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
-        """Additive logit bias (batch or 1, heads, n, m), or None."""
+        """Additive logit bias (batch or 1, heads or 1, n, m), or None (xPos's block mask is one for every head)."""
         return None
 
     def content_bias(self, q: torch.Tensor, k: torch.Tensor, *, causal: bool, key_padding: torch.Tensor | None

@@ -27,8 +27,9 @@ Following the paper's reference code (its appendix):
 
 poslab's choices:
 - ``npos_max`` defaults to the model's max_seq_len: a position is a count of at most i - j + 1 <= max_seq_len
-  keys, so no count is clamped within the training length; the paper's counting tasks use smaller tables (64),
-  which ``npos_max`` sets. Longer sequences (generation past max_seq_len) are clamped, not refused.
+  keys, clamped at max_seq_len - 1, so within the training length only the largest count there is (every gate
+  open from the first key of a full-length sequence) loses one; the paper's counting tasks use smaller tables
+  (64), which ``npos_max`` sets. Longer sequences (generation past max_seq_len) are clamped, not refused.
 - Gates, their cumulative sum and the bias are computed in at least fp32 (fp64 stays fp64, for gradcheck): a bf16
   sum of thousands of gates cannot tell n from n + 1 past 256. Attention casts the bias to its logits' dtype,
   as it does ALiBi's and KERPLE's.

@@ -13,8 +13,9 @@ between decoding steps; here c is fixed (default half the model's max_seq_len), 
 on its own position only, as a KV cache needs. Scales are computed in fp32 and grow as e^(|p - c| * 1.25 /
 scale_base) at the fastest frequency: a model whose positions lie within 64 x scale_base of c stays inside
 fp32's (and bf16's) range, which build checks for max_seq_len; float16 holds only ~4.5 x scale_base either
-side. Positions past what the inputs' dtype holds (a long generation, fp16) are refused in one line instead of
-overflowing to inf.
+side for q and k entries of about 1, less for larger ones. Positions past what the inputs' dtype holds (a long
+generation, fp16) are refused in one line instead of overflowing to inf, and in float16 so are scaled q and k that
+overflow nearer the centre.
 
 Blockwise causal attention, the paper's way past the training length (``block``): positions fall into blocks of
 ``block``, and a query sees the keys of its own block and of the one before, so no key lies ``2 x block`` or more
@@ -32,7 +33,7 @@ import math
 
 import torch
 
-from poslab.errors import ConfigError, require
+from poslab.errors import InputError, require
 from poslab.positional.base import AttentionGeometry, LayerPositional, Scheme
 from poslab.positional.options import options_dataclass
 from poslab.positional.rope import base_inv_freq, pair_norms, rope_cos_sin, rotate_half
@@ -88,8 +89,10 @@ class XPosLayer(LayerPositional):
         super().__init__()
         self.opts, self.head_dim, self.center = opts, head_dim, center
         self._checked: tuple[torch.Tensor, torch.Tensor, torch.dtype] | None = None  # what _check_range read last
-        self.register_buffer("inv_freq", torch.empty(head_dim // 2), persistent=False)
-        self.register_buffer("log_zeta", torch.empty(head_dim // 2), persistent=False)
+        # fp32 whatever the default dtype: from_pretrained(dtype=bf16) builds under it, and tables filled in bf16
+        # stay rounded (casts keep fp32_tables as they are)
+        self.register_buffer("inv_freq", torch.empty(head_dim // 2, dtype=torch.float32), persistent=False)
+        self.register_buffer("log_zeta", torch.empty(head_dim // 2, dtype=torch.float32), persistent=False)
         self.init_weights(0.0, 0.0)
 
     def init_weights(self, mean: float, std: float) -> None:
@@ -108,7 +111,14 @@ class XPosLayer(LayerPositional):
         self._check_range(q_pos, k_pos, q.dtype)
         cos_q, sin_q = rope_cos_sin(self.inv_freq, q_pos, 1.0)
         cos_k, sin_k = (cos_q, sin_q) if k_pos is q_pos else rope_cos_sin(self.inv_freq, k_pos, 1.0)
-        return self.rotate(q, cos_q, sin_q, self.scales(q_pos)), self.rotate(k, cos_k, sin_k, 1 / self.scales(k_pos))
+        q, k = self.rotate(q, cos_q, sin_q, self.scales(q_pos)), self.rotate(k, cos_k, sin_k, 1 / self.scales(k_pos))
+        # float16's range is narrow enough for large entries to overflow well inside the positions' check: read the
+        # values themselves (a GPU sync per layer, in float16 only)
+        if q.dtype == torch.float16 and not q.is_meta and not (torch.isfinite(q).all() and torch.isfinite(k).all()):
+            far = max(int((q_pos - self.center).abs().max()), int((k_pos - self.center).abs().max()))
+            raise InputError(f"xpos-scaled q or k overflow float16 at positions up to {far} from their centre "
+                             f"({self.center}): run in bfloat16 or float32, or raise xpos.scale_base")
+        return q, k
 
     def logit_bias(self, q_pos, k_pos):
         """0 where a key lies in the query's block or the one before, -inf elsewhere: (batch or 1, 1, n, m) fp32."""
@@ -138,7 +148,7 @@ class XPosLayer(LayerPositional):
         if far > reach:
             fix = "run in bfloat16 or float32, or raise xpos.scale_base" if half else \
                 f"raise xpos.scale_base to at least {math.ceil(self.opts.scale_base * far / reach)}"
-            raise ConfigError(f"xpos scales at positions {far} from their centre ({self.center}) overflow "
+            raise InputError(f"xpos scales at positions {far} from their centre ({self.center}) overflow "
                               f"{str(dtype).removeprefix('torch.')}, which holds {int(reach)}: {fix}")
         # The tensors themselves (a few longs), not their ids: a freed tensor's id can come back with other values.
         self._checked = (q_pos, k_pos, dtype)
