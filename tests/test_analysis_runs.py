@@ -253,6 +253,46 @@ def test_a_rerun_removes_the_figures_it_no_longer_draws(runs):
     assert listed and all((folder / name).exists() for name in listed)
 
 
+def test_an_interrupted_rerun_leaves_the_earlier_analysis_whole(runs, tmp_path, monkeypatch):
+    """Figures were drawn before the JSON was written: interrupted between them, a rerun left new figures beside
+    the old JSON, which listed them as its own. An analysis now writes into a staging directory that replaces
+    the earlier results only when it has finished; interrupted, nothing of it remains."""
+    import shutil
+
+    from poslab.analysis import plots
+
+    run = shutil.copytree(runs / "rope", tmp_path / "rope", ignore=shutil.ignore_patterns("analysis"))
+    assert analyze("adjacency", "--run", str(run), "--sequences", "8") == 0
+    folder = run / "analysis"
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    assert {"adjacency.json", "adjacency.png"} <= before.keys()
+
+    def interrupted(path, data):
+        assert path.parent.name == ".adjacency.partial" and (path.parent / "adjacency.png").is_file()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(plots, "write_json", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        analyze("adjacency", "--run", str(run), "--sequences", "16")
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+def test_an_analysis_directory_that_cannot_be_written_is_refused_before_measuring(runs, tmp_path, monkeypatch):
+    """DIR/analysis a file: the error came after every model was measured, as "File exists: DIR/analysis"."""
+    import shutil
+
+    from poslab.analysis import commands
+    from poslab.errors import PoslabError
+
+    run = shutil.copytree(runs / "rope", tmp_path / "rope", ignore=shutil.ignore_patterns("analysis"))
+    (run / "analysis").write_text("not a directory")
+    monkeypatch.setattr(commands, "_models", lambda run: pytest.fail("measured before the output was checked"))
+    with pytest.raises(PoslabError, match=rf"^{run / 'analysis'} is a file, not the directory the analysis of {run} is "
+                                          r"written to; move it away$"):
+        analyze("adjacency", "--run", str(run), "--sequences", "8")
+    assert (run / "analysis").read_text() == "not a directory"
+
+
 @pytest.mark.parametrize("kind, option, users", [
     ("adjacency", ["--compare", "x"], "extrapolation"), ("variance", ["--threshold", "0.9"], "heads"),
     ("spectra", ["--sequences", "8"], "adjacency, variance, probes, heads, attention, frequencies, extrapolation"),
@@ -348,7 +388,8 @@ def test_bad_input_errors(runs, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "config.yaml").write_text((runs / "rope" / "config.yaml").read_text())
-    with pytest.raises(CheckpointError, match="no checkpoint") as err:
+    with pytest.raises(CheckpointError, match="no checkpoint.*; train the run \\(or resume it\\) until it saves a "
+                                              "checkpoint$") as err:
         analyze("adjacency", "--run", str(empty))
     _one_line(err.value)
     cases = [(("spectra", "--run", str(runs / "rope")), ConfigError, "absolute-position table"),
@@ -362,6 +403,11 @@ def test_bad_input_errors(runs, tmp_path):
              (("adjacncy", "--run", str(runs / "rope")), ConfigError, "did you mean 'adjacency'"),
              (("probes", "--run", str(runs / "rope"), "--targets", "sentence_index"), ConfigError, "offers: position"),
              (("adjacency", "--run", str(runs / "rope"), "--sequences", "0"), ConfigError, "--sequences"),
+             # one class is no classification: it was taken and reported "(probed: 2..1)"
+             (("probes", "--run", str(runs / "rope"), "--max-classes", "1"), ConfigError,
+              r"^--max-classes must be >= 2, got 1$"),
+             (("adjacency", "--run", str(runs / "rope" / "checkpoints")), CheckpointError,
+              r"is not a run directory \(no config.yaml\); pass the --out directory of `poslab train`$"),
              # asked for by name, a scaling that no run can take was dropped without a word
              (("extrapolation", "--run", str(runs / "learned"), "--scalings", "yarn"), ConfigError,
               r"^--scalings yarn apply to none of these runs' schemes \(context scalings by scheme: rope: linear, ntk, "
@@ -753,6 +799,18 @@ def evaluate_loss_in(raw: dict, run_dir: Path) -> float:
     cfg = RunConfig.from_dict(raw)
     return evaluation.evaluate(run.model, run.source(), cfg, run.device,
                                evaluation.autocast(run.device, cfg.train.precision))["loss"]
+
+
+def test_evaluate_gives_a_diverged_language_model_an_infinite_perplexity(lm_run, monkeypatch):
+    """exp of a loss past 709 raised OverflowError: a traceback, and the measured loss was not written."""
+    from poslab.analysis.commands import Options, evaluate
+    from poslab.train import evaluation
+
+    monkeypatch.setattr(evaluation, "evaluate", lambda *args: {"loss": 10045.8, "accuracy": 0.0, "tokens": 12})
+    run = Run.load(lm_run / "run")
+    result = evaluate(run, Options(batch_size=3))
+    assert result["metrics"]["loss"] == 10045.8 and result["metrics"]["perplexity"] == math.inf
+    assert json.loads((run.out_dir / "evaluate.json").read_text())["metrics"]["loss"] == 10045.8
 
 
 def test_evaluate_reads_a_whole_text_split_and_gives_perplexity(lm_run):

@@ -62,8 +62,17 @@ def test_the_command_lists_what_moved_verdicts_first_and_exits_as_diff_does(tmp_
     assert out.count("0 verdict changed, 0 value changed, 0 gone, 0 added") == 2 and "| status |" not in out
 
 
-@pytest.mark.parametrize("content, problem", [(None, "has no results.json"), ("{not json", "cannot be read as JSON"),
-                                              ("[1, 2]", "holds no recipes"), ('{"recipes": 3}', "holds no recipes")])
+DAMAGED = "recipe 'adjacency' holds no list of claims, each with its claim, ours and held; the file is damaged"
+
+
+@pytest.mark.parametrize("content, problem", [
+    (None, "has no results.json"), ("{not json", "cannot be read as JSON"), ("[1, 2]", "holds no recipes"),
+    ('{"recipes": 3}', "holds no recipes"),
+    # These were tracebacks with exit status 1, which reads as "claims differ"
+    ('{"recipes": {"adjacency": []}}', DAMAGED), ('{"recipes": {"adjacency": {"claims": "abc"}}}', DAMAGED),
+    ('{"recipes": {"adjacency": {"claims": [{"claim": "x"}]}}}', DAMAGED),
+    ('{"recipes": {"adjacency": {"claims": [{"claim": "x", "ours": 1, "held": "yes"}]}}}', DAMAGED),
+])
 def test_a_directory_without_readable_results_is_refused_in_one_line(content, problem, tmp_path, capsys):
     good = write(tmp_path / "good", OLD)
     bad = tmp_path / "bad"
@@ -89,3 +98,28 @@ def test_options_that_train_or_plan_are_refused_with_compare_and_scales_are_told
     assert "The scales differ (quick vs smoke)" in capsys.readouterr().out
     assert main(["reproduce", "--compare", old, "--out", old]) == 0
     assert "scales differ" not in capsys.readouterr().out
+
+
+def test_named_recipes_narrow_the_headers_too_and_one_in_neither_is_refused(tmp_path, capsys):
+    """Naming a recipe neither run has compared nothing and exited 0 ("the same"); the headers counted every
+    recipe's claims and codes whatever was named."""
+    old, new = write(tmp_path / "old", OLD), write(tmp_path / "new", NEW)
+    assert main(["reproduce", "dstg", "--compare", old, "--out", new]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"old {old}: scale quick, 2026-12-01 09:00 UTC, 0 of 1 claims held, code old"
+    assert out[3] == "0 verdict changed, 0 value changed, 0 gone, 0 added, 1 same (of 1 claims)"
+    assert main(["reproduce", "extrapolation", "--compare", old, "--out", new]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"poslab: error: neither {old} nor {new} has a result of extrapolation; name recipes they finished, "
+                   "or none to compare all\n")
+    only_old = write(tmp_path / "only-old", results({"adjacency": [claim("a", 0.5, True)]}, code=""))
+    assert main(["reproduce", "dstg", "--compare", old, "--out", only_old]) == 1  # in one of them: gone
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == f"new {only_old}: scale quick, 2026-12-01 09:00 UTC, 0 of 0 claims held, code not recorded"
+
+
+def test_jobs_or_threads_of_zero_are_refused_with_compare_too(tmp_path, capsys):
+    old = write(tmp_path / "old", OLD)
+    for flag in (["--jobs", "0"], ["--threads", "0"]):
+        assert main(["reproduce", "--compare", old, "--out", old, *flag]) == 2
+        assert f"drop {flag[0]}" in capsys.readouterr().err

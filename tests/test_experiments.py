@@ -946,6 +946,29 @@ def test_report_keeps_each_compared_number_apart_from_its_bound():
     assert [c.held for c in made] == [False, False, False]
 
 
+def test_results_json_keeps_apart_what_a_rule_told_apart_and_a_bound_reached_within_rounding_holds():
+    """results.json keeps 6 significant digits, and the report can only show what it keeps: a held "first > last"
+    of 0.9000001 and 0.9 was stored as 0.9 and 0.9; "ours >= 0.1" failed at 0.9 - 0.8 (an ulp below 0.1) while
+    showing 0.1, where a margin of 0.1 held at the same gap; 0.0999996 fails and must not show as 0.1."""
+    from poslab.experiments.report import summary_rows
+
+    made = [claims.exceeds("first", "x", {"first": 0.9000001, "last": 0.9}, "first", "last"),
+            claims.all_exceed("each", "x", {"t": 0.90000001}, {"t": 0.9}, ("first", "last")),
+            claims.at_least("ulp", "x", 0.9 - 0.8, 0.1),
+            claims.at_least("below", "x", 0.0999996, 0.1),
+            claims.at_most("ulp above", "x", 0.1 + 0.2, 0.3),
+            claims.more_than("ulp above", "x", 0.1 + 0.2, 0.3),
+            claims.within("range", "x", 0.6000000000000001, 0.4, 0.6),
+            claims.all_of("every", "x", {"a": 0.9 - 0.8, "b": 0.5}, 0.1)]
+    stored = [json.loads(json.dumps(c.to_dict())) for c in made]
+    assert [c.held for c in made] == [True, True, True, False, True, False, True, True]
+    assert [c["ours"] for c in stored[:4]] == [{"first": 0.9000001, "last": 0.9}, {"t first": 0.90000001,
+                                                                                   "t last": 0.9}, 0.1, 0.0999996]
+    assert [row[3] for row in summary_rows({"recipes": {"r": {"claims": stored}}})][:4] == [
+        "first: 0.9000001, last: 0.9", "t first: 0.90000001, t last: 0.9", "0.1", "0.0999996"]
+    assert claims.rounded(0.123456789) == 0.123457 and claims.rounded_apart({"a": 1.0, "b": 2}) == {"a": 1.0, "b": 2}
+
+
 def test_dstg_kept_claim_shows_the_numbers_it_compared():
     """DSTG's "kept in the last layer" claims rounded their R^2 to 4 decimals: a held "dstg > every baseline"
     read "dstg: 0.7149, ap_neobert: 0.7149"."""

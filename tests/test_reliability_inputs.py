@@ -659,8 +659,8 @@ def test_another_broken_pipe_is_an_error(monkeypatch, capsys):
         raise BrokenPipeError(32, "Broken pipe")
 
     class Parser:
-        def parse_args(self, argv):
-            return argparse.Namespace(func=broken)
+        def parse_known_args(self, argv):
+            return argparse.Namespace(func=broken), []
     monkeypatch.setattr(poslab.cli, "build_parser", Parser)
     assert poslab.cli.main([]) == 2
     assert capsys.readouterr().err == "poslab: error: Broken pipe\n"

@@ -1063,6 +1063,20 @@ def test_an_output_that_cannot_be_created_is_refused_before_any_work(tmp_path, c
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]
 
 
+@pytest.mark.parametrize("argv,help_of", [
+    (["analyze", "adjacency", "--run", "x", "--bogus"], "poslab analyze"),
+    (["tasks", "show", "addition", "--count", "3"], "poslab tasks show"),
+    (["train", "c.yaml", "--out", "y", "--frob"], "poslab train"),
+    (["reproduce", "all", "--fast"], "poslab reproduce"),
+])
+def test_an_unknown_option_names_the_help_of_its_command(argv, help_of, capsys):
+    """argparse reports arguments no subcommand knew from the top parser, whose help ('poslab --help') does not
+    list the subcommand's options."""
+    assert poslab.cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("poslab: error: unrecognized arguments: ") and err.endswith(f" (see '{help_of} --help')\n")
+
+
 def test_an_empty_config_says_so(tmp_path, capsys):
     """It said "a task source needs the task's name (data.name)", the first default that failed."""
     for text in ("# nothing yet\n", "{}\n"):

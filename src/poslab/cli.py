@@ -32,6 +32,14 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line instead of usage + message
         raise PoslabError(f"{message} (see '{self.prog} --help')")  # which command: the help it names
 
+    def parse_known_args(self, args=None, namespace=None):
+        """Also records the innermost command that parsed (a subcommand parses before the command that called
+        it returns): arguments nobody knew are reported by the top parser, which would name its own help."""
+        namespace, extras = super().parse_known_args(args, namespace)
+        if not hasattr(namespace, "command_prog"):
+            namespace.command_prog = self.prog
+        return namespace, extras
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="poslab", description="Build, train and dissect Transformers whose positional information is explicit.")
@@ -56,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     try:
-        args = build_parser().parse_args(argv)
+        args, extras = build_parser().parse_known_args(argv)
+        if extras:
+            raise PoslabError(f"unrecognized arguments: {' '.join(extras)} (see '{args.command_prog} --help')")
         return int(args.func(args) or 0)
     except PoslabError as err:
         _error(str(err))

@@ -64,9 +64,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.kind not in ANALYSES:
         raise ConfigError(unknown_key_message("analysis KIND", args.kind, ANALYSES))
-    for name in ("sequences", "batch_size", "probe_steps", "max_classes"):
+    for name in ("sequences", "batch_size", "probe_steps"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.max_classes < 2:  # a classification needs two classes
+        raise ConfigError(f"--max-classes must be >= 2, got {args.max_classes}")
     if not 0 < args.threshold <= 1:  # nan too
         raise ConfigError(f"--threshold must lie in (0, 1], got {args.threshold}")
     for factor in args.factors:

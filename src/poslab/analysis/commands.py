@@ -8,11 +8,10 @@ frequencies without rotary frequencies, heads with a single logit term) raises C
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -65,24 +64,22 @@ def _models(run: Run) -> list[tuple[str, nn.Module]]:
     return [("trained", run.model), ("init", run.control())]
 
 
+def staged(analysis: Callable[[Run, Options], dict]) -> Callable[[Run, Options], dict]:
+    """The analysis, writing into a staging directory that replaces its earlier results only once it has
+    finished (``Run.staged``); the KIND is the function's name."""
+    @functools.wraps(analysis)
+    def run_staged(run: Run, opts: Options) -> dict:
+        with run.staged(analysis.__name__):
+            return analysis(run, opts)
+
+    return run_staged
+
+
 def _finish(run: Run, kind: str, data: dict, figures: list) -> dict:
-    """Write DIR/analysis/<kind>.json, saying which weights it measured, and remove the figures of an earlier
-    <kind> analysis that this one did not draw again (beside the new JSON they would read as its own)."""
+    """Write <kind>.json, saying which weights it measured and which figures it drew."""
     data = {**run.measured(), **data, "figures": [str(p.name) for p in figures]}
-    stale = set(_figures_of(run.out_dir / f"{kind}.json")) - set(data["figures"])
     plots.write_json(run.out_dir / f"{kind}.json", data)
-    for name in stale:
-        (run.out_dir / name).unlink(missing_ok=True)
     return data
-
-
-def _figures_of(path: Path) -> list[str]:
-    """The figure files an analysis JSON lists; none where it is missing or damaged."""
-    try:
-        figures = json.loads(path.read_text()).get("figures", [])
-    except (OSError, ValueError, AttributeError):
-        return []
-    return [name for name in figures if isinstance(name, str) and name == Path(name).name and name.endswith(".png")]
 
 
 def _nanstats(values: torch.Tensor) -> dict:
@@ -93,6 +90,7 @@ def _nanstats(values: torch.Tensor) -> dict:
 
 # ---------------------------------------------------------------------------------------------- adjacency
 
+@staged
 def adjacency(run: Run, opts: Options) -> dict:
     """Adjacency score per layer and stream, trained vs initialisation; similarity matrices of one sequence."""
     batches = run.batches(opts.sequences, opts.batch_size, opts.split)
@@ -125,6 +123,7 @@ def adjacency(run: Run, opts: Options) -> dict:
 
 # ----------------------------------------------------------------------------------------------- variance
 
+@staged
 def variance(run: Run, opts: Options) -> dict:
     """Per-position variance across hidden dimensions of attention outputs and residual streams."""
     batches = run.batches(opts.sequences, opts.batch_size, opts.split)
@@ -171,6 +170,7 @@ def _probe_targets(batch: dict, mask: torch.Tensor, wanted: tuple[str, ...] | No
     return {k: targets[k] for k in wanted}
 
 
+@staged
 def probes(run: Run, opts: Options) -> dict:
     """Linear (ridge) probes of every layer for position and structure labels; 4-layer MLP probes of
     position from cosine-similarity vs variance features; classification of task labels; trained vs init."""
@@ -265,6 +265,7 @@ def ap_table(model: nn.Module) -> torch.Tensor | None:
     return None
 
 
+@staged
 def spectra(run: Run, opts: Options) -> dict:
     """PCA and DCT-II spectra of the learned AP table over the positions training reached."""
     tables = {label: ap_table(model) for label, model in _models(run)}
@@ -302,6 +303,7 @@ def spectrum_scores(table: torch.Tensor, rows: int, components: int = 4) -> list
 
 # -------------------------------------------------------------------------------------------------- heads
 
+@staged
 def heads(run: Run, opts: Options) -> dict:
     """Per head, the share of within-row logit variance from each additive term, and a label."""
     batches = run.batches(opts.sequences, opts.batch_size, opts.split)
@@ -354,6 +356,7 @@ PROFILE_NOTE = ("profile[h][j]: the mean attention probability at offset offsets
                 "that see a key there; a mean per offset, not a distribution (it does not sum to 1)")
 
 
+@staged
 def attention(run: Run, opts: Options) -> dict:
     """Per layer and head, how far attention looks (``poslab.analysis.attention``), trained vs init."""
     batches = run.batches(opts.sequences, opts.batch_size, opts.split)
@@ -409,6 +412,7 @@ def attention(run: Run, opts: Options) -> dict:
 
 # -------------------------------------------------------------------------------------------- frequencies
 
+@staged
 def frequencies(run: Run, opts: Options) -> dict:
     """Layer x frequency heatmaps of mean q and k norms per frequency."""
     batches = run.batches(opts.sequences, opts.batch_size, opts.split)
@@ -436,6 +440,7 @@ def frequencies(run: Run, opts: Options) -> dict:
 
 # --------------------------------------------------------------------------------------------- evaluate
 
+@staged
 def evaluate(run: Run, opts: Options) -> dict:
     """The run's metrics on a whole evaluation split (default: the one training evaluated on), computed as
     training computes them: loss and token accuracy, exact match for a decoder on a task, perplexity for a
@@ -449,7 +454,7 @@ def evaluate(run: Run, opts: Options) -> dict:
     if not (metrics.get("tokens") or metrics.get("examples")):
         raise DataError(f"the {split} split of {run.dir} holds no labelled token to score, so nothing was written")
     if run.causal and config.data.kind == "lm":
-        metrics["perplexity"] = math.exp(metrics["loss"])
+        metrics["perplexity"] = training_evaluation.perplexity(metrics["loss"])
     return _finish(run, "evaluate", {"split": split, "metrics": metrics}, [])
 
 
@@ -467,6 +472,7 @@ def _frequency_schemes() -> list[str]:
 
 # ------------------------------------------------------------------------------------------ extrapolation
 
+@staged
 def extrapolation(run: Run, opts: Options) -> dict:
     """Loss and accuracy against evaluation length for this run and --compare runs; runs also with their
     scheme's context scalings at evaluation (RoPE: linear / NTK / YaRN; xPos: blockwise attention). --eval-data

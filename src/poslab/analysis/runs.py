@@ -5,15 +5,19 @@ and never reaches into the trainer; it writes only under DIR/analysis/.
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
-from dataclasses import dataclass, replace
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from poslab.analysis.capture import take_batches
-from poslab.errors import CheckpointError, ConfigError, DataError, require, unknown_key_message
+from poslab.errors import CheckpointError, ConfigError, DataError, PoslabError, require, unknown_key_message
 from poslab.models import build_model
 from poslab.positional import Scheme, get_scheme
 from poslab.train.config import RunConfig
@@ -53,6 +57,7 @@ class Run:
     config: RunConfig
     model: torch.nn.Module
     checkpoint: Path | None = None  # the checkpoint directory the model's weights came from
+    _staging: Path | None = field(default=None, repr=False)  # where an analysis writes until it finishes (staged)
 
     @classmethod
     def load(cls, path: str | Path, checkpoint: str | None = None, device: str = "cpu") -> Run:
@@ -90,7 +95,43 @@ class Run:
 
     @property
     def out_dir(self) -> Path:
-        return self.dir / ANALYSIS_DIR
+        """Where analyses write: DIR/analysis, or while one runs, its staging directory (``staged``)."""
+        return self._staging or self.dir / ANALYSIS_DIR
+
+    @contextlib.contextmanager
+    def staged(self, kind: str) -> Iterator[None]:
+        """While the ``kind`` analysis runs, ``out_dir`` is a staging directory, DIR/analysis/.KIND.partial; when
+        it returns, its figures replace the earlier ``kind`` analysis's (those it did not draw again are removed,
+        as beside the new JSON they would read as its own) and its JSON comes last. An analysis that fails or is
+        interrupted leaves the earlier one whole: it used to leave new figures beside the old JSON."""
+        final = self.dir / ANALYSIS_DIR
+        staging, made = final / f".{kind}.partial", not final.exists()
+        if final.exists() and not final.is_dir():  # found before the measuring, not after it
+            raise PoslabError(f"{final} is a file, not the directory the analysis of {self.dir} is written to; move "
+                              "it away")
+        try:
+            shutil.rmtree(staging, ignore_errors=True)  # an interrupted analysis's
+            staging.mkdir(parents=True)
+        except OSError as err:
+            raise PoslabError(f"cannot write the analysis of {self.dir} to {final} ({err.strerror}); make it a "
+                              "writable directory, or move what is there away") from None
+        self._staging = staging
+        try:
+            yield
+            result = staging / f"{kind}.json"
+            if result.is_file():
+                new, old = analysis_figures(result), analysis_figures(final / result.name)
+                (final / result.name).unlink(missing_ok=True)  # the old JSON first: it lists the old figures
+                for name in set(old) - set(new):
+                    (final / name).unlink(missing_ok=True)
+                for name in new:
+                    os.replace(staging / name, final / name)
+                os.replace(result, final / result.name)
+        finally:
+            self._staging = None
+            shutil.rmtree(staging, ignore_errors=True)
+            if made and not any(final.iterdir()):  # a refused first analysis leaves no trace
+                final.rmdir()
 
     @property
     def device(self) -> torch.device:
@@ -163,3 +204,12 @@ def stream_of(name: str) -> str:
 
 def by_depth(names) -> list[str]:
     return sorted(names, key=lambda n: (layer_of(n), n))
+
+
+def analysis_figures(path: Path) -> list[str]:
+    """The figure files an analysis JSON lists; none where it is missing or damaged."""
+    try:
+        figures = json.loads(path.read_text()).get("figures", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [name for name in figures if isinstance(name, str) and name == Path(name).name and name.endswith(".png")]

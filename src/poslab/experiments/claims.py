@@ -27,21 +27,28 @@ def _finite(*values: float) -> bool:
     return all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
 
 
+# Values this close count as equal: a bound reached by a sum or difference of floats sits an ulp off it.
+TOLERANCE = 1e-9
+
+
 def reaches(value: float, bound: float) -> bool:
     """value >= bound, a value at the bound included though floats put it an ulp below (0.9 - 0.8 < 0.1)."""
-    return value >= bound or math.isclose(value, bound, rel_tol=1e-9)
+    return value >= bound or math.isclose(value, bound, rel_tol=TOLERANCE)
 
 
 def at_least(claim: str, paper: Any, ours: float, threshold: float) -> Claim:
-    return Claim(claim, paper, rounded(ours), _finite(ours) and ours >= threshold, f"ours >= {threshold:g}")
+    return Claim(claim, paper, rounded(ours, threshold), _finite(ours) and reaches(ours, threshold),
+                 f"ours >= {threshold:g}")
 
 
 def at_most(claim: str, paper: Any, ours: float, threshold: float) -> Claim:
-    return Claim(claim, paper, rounded(ours), _finite(ours) and ours <= threshold, f"ours <= {threshold:g}")
+    return Claim(claim, paper, rounded(ours, threshold), _finite(ours) and reaches(threshold, ours),
+                 f"ours <= {threshold:g}")
 
 
 def within(claim: str, paper: Any, ours: float, low: float, high: float) -> Claim:
-    return Claim(claim, paper, rounded(ours), _finite(ours) and low <= ours <= high, f"{low:g} <= ours <= {high:g}")
+    return Claim(claim, paper, rounded(ours, low, high), _finite(ours) and reaches(ours, low) and reaches(high, ours),
+                 f"{low:g} <= ours <= {high:g}")
 
 
 def exceeds(claim: str, paper: Any, ours: dict[str, float], larger: str, smaller: str, margin: float = 0.0) -> Claim:
@@ -54,14 +61,14 @@ def exceeds(claim: str, paper: Any, ours: dict[str, float], larger: str, smaller
         rule = f"{larger} - {smaller} >= {margin:g}"
     else:
         held, rule = _finite(a, b) and a > b, f"{larger} > {smaller}"
-    return Claim(claim, paper, {k: rounded(v) for k, v in ours.items()}, held, rule)
+    return Claim(claim, paper, rounded_apart(ours), held, rule)
 
 
 def all_exceed(claim: str, paper: Any, larger: dict[str, float], smaller: dict[str, float],
                names: tuple[str, str]) -> Claim:
     """larger[k] > smaller[k] for every key k (a task, say); ours shows each pair as "k names[0]", "k names[1]"."""
     held = all(_finite(larger[k], smaller[k]) and larger[k] > smaller[k] for k in larger)
-    ours = {f"{k} {name}": rounded(values[k]) for k in larger for name, values in zip(names, (larger, smaller))}
+    ours = rounded_apart({f"{k} {name}": values[k] for k in larger for name, values in zip(names, (larger, smaller))})
     return Claim(claim, paper, ours, held, f"{names[0]} > {names[1]} for each")
 
 
@@ -79,26 +86,27 @@ def _best(claim: str, paper: Any, ours: dict[str, float], best: str, order: str)
     others = [k for k in ours if k != best]
     beats = operator.lt if order == "<" else operator.gt
     held = _finite(*ours.values()) and all(beats(ours[best], ours[k]) for k in others)
-    return Claim(claim, paper, {k: rounded(v) for k, v in ours.items()}, held, f"{best} {order} {' and '.join(others)}")
+    return Claim(claim, paper, rounded_apart(ours), held, f"{best} {order} {' and '.join(others)}")
 
 
 def more_than(claim: str, paper: Any, ours: float, threshold: float) -> Claim:
     """ours strictly above threshold: the complement of ``at_most`` with the same threshold, so that one value
     cannot be both flat and degrading."""
-    return Claim(claim, paper, rounded(ours), _finite(ours) and ours > threshold, f"ours > {threshold:g}")
+    return Claim(claim, paper, rounded(ours, threshold), _finite(ours) and not reaches(threshold, ours),
+                 f"ours > {threshold:g}")
 
 
 def all_within(claim: str, paper: Any, ours: dict[str, float], low: float, high: float) -> Claim:
     """Every value in [low, high]."""
-    held = all(_finite(v) and low <= v <= high for v in ours.values())
-    return Claim(claim, paper, {k: rounded(v) for k, v in ours.items()}, held, f"every value in [{low:g}, {high:g}]")
+    held = all(_finite(v) and reaches(v, low) and reaches(high, v) for v in ours.values())
+    return Claim(claim, paper, rounded_apart(ours, (low, high)), held, f"every value in [{low:g}, {high:g}]")
 
 
 def all_of(claim: str, paper: Any, ours: dict[str, float], threshold: float, above: bool = True) -> Claim:
     """Every value >= threshold (above) or <= threshold (not above)."""
-    held = all(_finite(v) and (v >= threshold if above else v <= threshold) for v in ours.values())
+    held = all(_finite(v) and (reaches(v, threshold) if above else reaches(threshold, v)) for v in ours.values())
     rule = f"every value {'>=' if above else '<='} {threshold:g}"
-    return Claim(claim, paper, {k: rounded(v) for k, v in ours.items()}, held, rule)
+    return Claim(claim, paper, rounded_apart(ours, (threshold,)), held, rule)
 
 
 def tried_notes(result_claims: list[Claim], tried: dict[str, str]) -> list[str]:
@@ -115,9 +123,26 @@ def tried_notes(result_claims: list[Claim], tried: dict[str, str]) -> list[str]:
     return notes
 
 
-def rounded(value: Any) -> Any:
-    """6 significant digits: enough that values the rule told apart stay apart in results.json (the report
-    shows 4 unless more are needed)."""
+def rounded(value: Any, *bounds: float) -> Any:
+    """6 significant digits, as results.json keeps values (the report shows 4 unless more are needed), more where
+    6 would show the value equal to one of ``bounds`` it differs from."""
+    return rounded_apart({"": value}, bounds)[""]
+
+
+def rounded_apart(values: dict[str, Any], bounds: tuple[float, ...] = ()) -> dict[str, Any]:
+    """Each value to 6 significant digits, or as many more (up to all 17) as keep every two values, or a value
+    and a bound, that differ from showing the same number: values a rule told apart must stay apart in
+    results.json, where the report reads them. Values within TOLERANCE of each other count as equal."""
+    exact = [v for v in (*values.values(), *bounds) if _finite(v)]
+    pairs = [(a, b) for i, a in enumerate(exact) for b in exact[i + 1:]
+             if not math.isclose(a, b, rel_tol=TOLERANCE)]
+    for digits in range(6, 18):
+        if all(_round(a, digits) != _round(b, digits) for a, b in pairs):
+            break
+    return {k: _round(v, digits) for k, v in values.items()}
+
+
+def _round(value: Any, digits: int) -> Any:
     if isinstance(value, float) and math.isfinite(value):
-        return float(f"{value:.6g}")
+        return float(f"{value:.{digits}g}")
     return value

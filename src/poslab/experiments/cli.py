@@ -59,13 +59,15 @@ def run(args: argparse.Namespace) -> int:
         from poslab.experiments import compare
 
         for flag in ("plan", "force", "threads", "jobs"):  # a comparison trains and plans nothing
-            if getattr(args, flag) not in (None, False):
+            if getattr(args, flag) is not None and getattr(args, flag) is not False:  # --jobs 0 is given too
                 raise PoslabError(f"--compare only reads two finished reproductions; drop --{flag}, or run it "
                                   "without --compare")
         old, new = compare.load(args.compare), compare.load(args.out)
         only = set(resolve(args.names)) if args.names else None  # recipe names, if any, narrow the comparison
-        rows = [row for row in compare.compare(old, new) if only is None or row["recipe"] in only]
-        print(compare.render(rows, old, new, args.compare, args.out))
+        if only is not None:
+            compare.check_names(only, old, new, args.compare, args.out)
+        rows = compare.compare(old, new, only)
+        print(compare.render(rows, old, new, args.compare, args.out, only))
         return int(any(row["status"] != "same" for row in rows))
     if not args.names:
         raise PoslabError("name a recipe or 'all' (see 'poslab reproduce --list')")

@@ -188,8 +188,7 @@ def kept_in_last_layer(what: str, last: dict[str, float], best: float, context: 
     held = all(last["dstg"] > last[m] for m in last if m != "dstg") and last["dstg"] >= 0.9 * best
     return claims.Claim(f"{what} kept in DSTG's last layer, above every baseline (linear probe R^2{over})",
                         "kept vs lost",
-                        {**{k: claims.rounded(v) for k, v in {**last, **(context or {})}.items()},
-                         "dstg best": claims.rounded(best)},
+                        claims.rounded_apart({**last, **(context or {}), "dstg best": best}),
                         held, "dstg > every baseline and dstg >= 0.9 x dstg best (embedding or any block output)")
 
 
@@ -201,8 +200,7 @@ def structure_beyond_position(beyond: dict[str, dict[str, float]], over: str = "
     return claims.Claim("segment-level position (sentence index) beyond token position: the last layer's gain "
                         f"in R^2 when a probe sees it besides the position (one-hot), DSTG above every baseline{over}",
                         "keeps document structure",
-                        {**{m: claims.rounded(g) for m, g in gains.items()},
-                         "position alone": claims.rounded(beyond["dstg"]["position alone"])},
+                        claims.rounded_apart({**gains, "position alone": beyond["dstg"]["position alone"]}),
                         all(gains["dstg"] > g for m, g in gains.items() if m != "dstg"),
                         "dstg gain > every baseline's gain")
 
@@ -215,7 +213,7 @@ def lost_by_last_layer(per_layer: dict[str, float], n_layers: int, over: str = "
     earlier = max((per_layer[f"blocks.{i}.resid_post"] for i in range(n_layers - 1)), default=math.nan)
     return claims.Claim("AP-NeoBERT encodes segment-level position (sentence index) before its last layer and "
                         f"loses most of it there (linear probe R^2{over})", "kept in middle layers, mostly lost in the last",
-                        {"last layer": claims.rounded(last), "best earlier layer": claims.rounded(earlier)},
+                        claims.rounded_apart({"last layer": last, "best earlier layer": earlier}),
                         math.isfinite(last) and math.isfinite(earlier) and last < 0.5 * earlier,
                         "last layer < 0.5 x best earlier layer (block outputs)")
 

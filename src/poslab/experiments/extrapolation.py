@@ -157,7 +157,7 @@ def gap_kept(held_out: dict[str, dict[str, float]], smallest: str, largest: str)
             and claims.reaches(gaps[largest], STABLE_GAP * gaps[smallest]))
     return claims.Claim(f"PoPE's lead over RoPE stable or growing with model size: validation loss gap (RoPE - PoPE) "
                         f"of the {largest} model at least {STABLE_GAP:g} of the {smallest} model's",
-                        "gap stable or growing (124M to 774M)", {s: claims.rounded(g) for s, g in gaps.items()}, held,
+                        "gap stable or growing (124M to 774M)", claims.rounded_apart(gaps), held,
                         f"{smallest} > 0 and {largest} >= {STABLE_GAP:g} x {smallest}")
 
 
@@ -212,8 +212,8 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
     result_claims.append(claims.Claim(
         "PoPE models the text better than RoPE: validation loss at the training length lower at every model size "
         "trained", "lower perplexity at 124M, 253M and 774M",
-        {f"{size} {scheme}" if size else scheme: claims.rounded(loss) for size, losses in held_out.items()
-         for scheme, loss in losses.items()},
+        claims.rounded_apart({f"{size} {scheme}" if size else scheme: loss for size, losses in held_out.items()
+                              for scheme, loss in losses.items()}),
         all(losses["pope"] < losses["rope"] for losses in held_out.values()), "pope < rope at every size"))
     source = (evaluated or {}).get("source") or {}
     corpus = f", evaluated on {source.get('name') or source['type']} {source.get('split', '')}" if source else ""
@@ -227,7 +227,7 @@ def run(scale_name: str, out: Path, log: Callable[[str], None], jobs: int = 1, d
         smallest, largest = list(by_size)[0], list(by_size)[-1]
         result_claims += [
             claims.all_of(f"PoPE stays flat at every model size: loss at {top}x / 1x", "stable at every size",
-                          {size: g["pope"] for size, g in by_size.items()}, 1.1, above=False),
+                          {size: g["pope"] for size, g in by_size.items()}, FLAT, above=False),
             claims.exceeds(f"RoPE degrades more at larger scale: loss at {top}x / 1x of the {largest} model above the "
                            f"{smallest} model's", "worse at larger scale",
                            {largest: by_size[largest]["rope"], smallest: by_size[smallest]["rope"]},

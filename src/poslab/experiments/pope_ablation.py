@@ -23,6 +23,7 @@ from poslab.analysis import plots
 from poslab.experiments import claims, extrapolation
 from poslab.experiments.common import ensure_runs, rel
 from poslab.experiments.runner import RecipeResult
+from poslab.train.evaluation import perplexity
 
 FULL = "full"
 # name -> the PoPE options that make it, in the paper's order
@@ -44,11 +45,6 @@ CLAIMS = {"no softplus": "PoPE with softplus magnitudes models the text better t
 
 def run_name(name: str) -> str:
     return name.replace(" ", "-")
-
-
-def perplexity(loss: float) -> float:
-    """exp(loss); a diverged run's loss past exp's range is an infinite perplexity, not an OverflowError."""
-    return math.exp(loss) if loss < 700 or math.isnan(loss) else math.inf
 
 
 def runs(scale_name: str, out: Path) -> dict:

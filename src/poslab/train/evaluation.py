@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +27,11 @@ from poslab.train.config import RunConfig
 # The metrics train.best_metric can name; evaluate() also reports counts (tokens, and examples for tasks).
 METRICS = ("loss", "token_accuracy")
 ANSWER_METRICS = (*METRICS, "exact_match")
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss); a diverged run's loss past exp's range is an infinite perplexity, not an OverflowError."""
+    return math.exp(loss) if loss < 700 or math.isnan(loss) else math.inf
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:

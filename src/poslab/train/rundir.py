@@ -39,7 +39,8 @@ def load_run_checkpoint(out_dir: str | Path, which: str | None = None
     """``load_run`` and the checkpoint directory it loaded (an intact copy where the named one is damaged)."""
     out_dir = Path(out_dir)
     if not (out_dir / CONFIG_FILE).is_file():
-        raise CheckpointError(f"{out_dir} is not a run directory (no {CONFIG_FILE})")
+        raise CheckpointError(f"{out_dir} is not a run directory (no {CONFIG_FILE}); pass the --out directory of "
+                              "`poslab train`")
     config = load_saved_config(out_dir)
     names = [which] if which else ["best", "last"]
     problems = []
@@ -49,8 +50,8 @@ def load_run_checkpoint(out_dir: str | Path, which: str | None = None
             break
         except CheckpointError as err:
             problems.append(str(err))
-    else:
-        raise CheckpointError("; ".join(problems))
+    else:  # what each checkpoint lacks, and what to do: a run that never saved one has no weights to read
+        raise CheckpointError("; ".join(problems) + "; train the run (or resume it) until it saves a checkpoint")
     if problems and checkpoint_exists(out_dir / CHECKPOINTS / names[0]):
         ckpt.warn(f"{problems[0]}; using {path}")
     model = build_model(config.model)
