@@ -146,6 +146,11 @@ def test_unknown_option_suggests_closest():
     ("rope", {"attention_factor": -1.3}, "rope.attention_factor must be > 0"),
     ("rope", {"attention_factor": float("inf")}, "rope.attention_factor must be a finite number"),
     ("rope", {"truncate": "no"}, "rope.truncate must be true or false, got 'no'"),
+    # a scaling's options without the scaling were ignored without a word
+    ("rope", {"factor": 4.0}, "^rope.factor 4 needs a scaling to apply it; set rope.scaling"),
+    ("rope", {"scaling": "linear", "factor": 2.0, "beta_fast": 16.0},
+     "^rope.beta_fast is an option of yarn scaling, and rope.scaling is 'linear'; set rope.scaling: yarn or drop it"),
+    ("rope", {"attention_factor": 1.2}, "^rope.attention_factor is an option of yarn scaling, and rope.scaling is 'none'"),
 ])
 def test_bad_options_rejected(name, options, message):
     with pytest.raises(ConfigError, match=message):

@@ -62,7 +62,9 @@ class MultiHeadAttention(nn.Module):
             if self.backend == "triton":
                 raise ConfigError("attn_backend 'triton' needs a CUDA GPU with Triton, pope with its softplus "
                                   "magnitudes, position_ids shared by the batch that count up by one, and right "
-                                  "padding only; use attn_backend 'auto' to fall back to SDPA where these fail")
+                                  "padding only; use attn_backend 'auto' to fall back to SDPA where these fail (a "
+                                  "saved model: set it in its config.json, or load it with "
+                                  "attn_implementation='eager')")
 
         bias, k_positions = None, positions
         if pos is not None:

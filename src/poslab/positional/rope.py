@@ -56,6 +56,14 @@ class RoPEOptions:
                 f"got {self.attention_factor}")
         require(0 < self.fraction <= 1, f"rope.fraction must lie in (0, 1] (the share of channels that rotate), "
                                         f"got {self.fraction}")
+        # Options of a scaling that is not on were ignored without a word
+        require(self.scaling != "none" or self.factor == 1,
+                f"rope.factor {self.factor:g} needs a scaling to apply it; set rope.scaling (linear, dynamic, yarn)")
+        yarn_only = {"beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": None}
+        changed = [name for name, default in yarn_only.items() if getattr(self, name) != default]
+        require(self.scaling == "yarn" or not changed,
+                f"rope.{changed[0] if changed else ''} is an option of yarn scaling, and rope.scaling is "
+                f"'{self.scaling}'; set rope.scaling: yarn or drop it")
 
     def rotary_dim(self, head_dim: int) -> int:
         """How many leading channels of a head_dim-wide head rotate: int(head_dim * fraction), as Hugging Face
