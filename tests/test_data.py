@@ -331,11 +331,11 @@ def test_bpe_labels_align(tmp_path):
     assert paragraphs_seen > 3
 
 
-def test_a_sentence_without_tokens_gets_none_and_the_next_keeps_its_labels(tmp_path):
+def test_a_sentence_without_tokens_is_not_counted(tmp_path):
     """A paragraph of control characters (which the WordPiece normaliser drops) is a sentence without
-    tokens: no token gets its index, and the sentence after it keeps index 2, paragraph 2 and its tokens.
-    A document of nothing else has no tokens and is dropped (its id unused, no lone [SEP]); a tokenless
-    sentence closing the last document of the corpus is no error."""
+    tokens: the model never sees it, so it is not counted, and the sentence after it is sentence 1 of paragraph 1
+    (it was 2 of 2: a label no model could read off its input). A document of nothing else has no tokens and is
+    dropped (its id unused, no lone [SEP]); a tokenless sentence closing the last document is no error."""
     corpus = tmp_path / "c.jsonl"
     docs = [f"Plain words in document {i}.\n\n\u0001\u0002\n\nBye now, friend." for i in range(30)]
     docs[5] = "\u0001\u0002"
@@ -346,17 +346,46 @@ def test_a_sentence_without_tokens_gets_none_and_the_next_keeps_its_labels(tmp_p
                     validation_documents=0), out)
     data, tok = PreparedCorpus(out).split("train"), load_tokenizer(out / "tokenizer")
     labels, ids = data.structure(np.arange(data.n_tokens)), data.tokens(np.arange(data.n_tokens))
-    assert data.n_documents == 29 and not np.isin(labels["sentence_index"], [1, 3]).any()
+    assert data.n_documents == 29 and set(labels["sentence_index"].tolist()) == {-1, 0, 1}
     assert set(labels["doc_id"].tolist()) == set(range(30)) - {5} | {-1}
     assert (ids == PreparedCorpus(out).special_ids["sep"]).sum() == 29  # one [SEP] per kept document
     for doc_id in set(range(30)) - {5}:
         in_doc = labels["doc_id"] == doc_id
         np.testing.assert_array_equal(labels["pos_in_document"][in_doc], np.arange(in_doc.sum()))
-        last = in_doc & (labels["sentence_index"] == 2)
+        last = in_doc & (labels["sentence_index"] == 1)
         assert ids[last].tolist() == tok.encode("Bye now, friend.", add_special_tokens=False).ids
-        assert set(labels["paragraph_index"][last]) == {2} and set(labels["sentence_in_paragraph"][last]) == {0}
+        assert set(labels["paragraph_index"][last]) == {1} and set(labels["sentence_in_paragraph"][last]) == {0}
         np.testing.assert_array_equal(labels["pos_in_sentence"][last], np.arange(last.sum()))
         np.testing.assert_array_equal(labels["pos_in_paragraph"][last], np.arange(last.sum()))
+
+
+def test_special_token_strings_in_the_text_are_text(tmp_path):
+    """"[SEP]" written in a document was encoded as the separator (a document boundary mid-document), "[MASK]" as
+    a mask the masking never chose and [PAD] as padding the model attends to. They are text now; the saved
+    tokenizer still reads them as special tokens, as its users expect."""
+    corpus = tmp_path / "c.jsonl"
+    docs = [f"Plain words {i} here. The model reads [MASK] and [SEP] and [CLS] and [PAD] too." for i in range(12)]
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    out = tmp_path / "p"
+    prepare(_config(source={"type": "jsonl", "paths": str(corpus)}, tokenizer={**TOKENIZER, "vocab_size": 120},
+                    validation_documents=0), out)
+    corpus_ = PreparedCorpus(out)
+    data = corpus_.split("train")
+    ids = data.tokens(np.arange(data.n_tokens))
+    special = corpus_.special_ids
+    assert (ids == special["sep"]).sum() == 12 and not np.isin(ids, [special[r] for r in ("cls", "pad", "mask")]).any()
+    labels = data.structure(np.arange(data.n_tokens))
+    np.testing.assert_array_equal(labels["doc_id"][ids == special["sep"]], -1)
+    assert corpus_.tokenizer("[SEP]", add_special_tokens=False)["input_ids"] == [special["sep"]]
+
+
+def test_a_hub_tokenizer_leaves_the_corpus_files_checked():
+    """A tokenizer named by hub id (bert-base-uncased) has no local files: the corpus files went unrecorded with
+    it, so an edited corpus was read from a stale cache entry."""
+    from poslab.data.preparation import _local_files
+
+    config = _config(source={"type": "text", "paths": str(Path(__file__))}, tokenizer={"path": "no-such-org/tok"})
+    assert list(_local_files(config)) == [str(Path(__file__).resolve())]
 
 
 def test_special_tokens_keep_their_ids_and_no_content_token_shares_one(prepared):
@@ -634,6 +663,12 @@ def test_force_replaces_only_an_empty_or_prepared_directory(tmp_path):
     ({"tokenizer": {"special_tokens": {"cls": 5}}}, "special_tokens.cls must be a token .* got 5"),
     ({"tokenizer": {"special_tokens": {"cls": [1]}}}, "special_tokens.cls must be a token"),
     ({"tokenizer": {"special_tokens": {"cls": ""}}}, "special_tokens.cls must be a token"),
+    # a space split the post-processor's template: a ValueError after the tokenizer had trained
+    ({"tokenizer": {"special_tokens": {"cls": "a b"}}}, "special_tokens.cls must be a token \\(a non-empty string "
+                                                          "without spaces\\) or null, got 'a b'"),
+    ({"source": {"type": "text", "paths": ".", "glob": "/tmp/*.txt"}}, "text source glob must be a pattern inside"),
+    ({"source": {"type": "jsonl", "paths": ".", "glob": "../*.jsonl"}}, "jsonl source glob must be a pattern inside"),
+    ({"source": {**SYNTH, "seed": 1.5}}, "synthetic seed must be an integer, got 1.5"),
     ({"tokenizer": {"special_tokens": {"cls": "[X]", "sep": "[X]"}}}, "gives '\\[X\\]' more than one role"),
 ])
 def test_config_errors(options, message):
@@ -686,6 +721,12 @@ def test_a_damaged_prepared_directory_is_one_line(prepared, tmp_path):
         damage(copy / manifest["tokenizer"]["directory"])
         with pytest.raises(DataError, match=rf"^cannot load the tokenizer saved in {copy}/.*; prepare the data again$"):
             PreparedCorpus(copy).tokenizer
+    copy = tmp_path / "truncated"  # a truncated document table was numpy's ValueError, read only when first needed
+    shutil.copytree(prepared, copy)
+    table = next((copy / "train").glob("*.documents.npy"))
+    table.write_bytes(table.read_bytes()[:20])
+    with pytest.raises(DataError, match=rf"^cannot read {table}: .*; prepare the data again$"):
+        PreparedCorpus(copy).split("train").documents
     (tmp_path / "notes.txt").write_text("not a tokenizer\n")
     with pytest.raises(DataError, match=r"^cannot load tokenizer from .*notes.txt: .*\(not a tokenizers tokenizer.json\)$"):
         load_tokenizer(tmp_path / "notes.txt")

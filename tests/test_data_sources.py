@@ -160,6 +160,15 @@ def test_invalid_utf8_replaced_and_counted(tmp_path):
     assert source.invalid_utf8 == 4
 
 
+def test_invalid_bytes_are_counted_only_in_the_documents_read(tmp_path):
+    """max_documents stopped after reading one document more, whose invalid bytes were counted (and warned of)
+    though it was never prepared."""
+    (tmp_path / "a.txt").write_bytes(b"Fine text. All valid.\n")
+    (tmp_path / "b.txt").write_bytes(b"Bad \xff\xfe bytes.\n")
+    source = TextSource(paths=str(tmp_path), max_documents=1)
+    assert list(source.documents()) == [[["Fine text.", "All valid."]]] and source.invalid_utf8 == 0
+
+
 def test_jsonl_source(tmp_path):
     path = tmp_path / "c.jsonl"
     path.write_text("\n".join(json.dumps({"body": t, "id": i}) for i, t in enumerate(["Ab cd. Ef gh.", "Ij.\n\nKl."])) + "\n")

@@ -79,8 +79,10 @@ class TokenizerConfig:
             if role not in SPECIAL_ROLES:
                 raise ConfigError(unknown_key_message("special-token role", str(role), SPECIAL_ROLES))
         for role, token in self.special_tokens.items():
-            require(token is None or (isinstance(token, str) and token.strip() != ""),
-                    f"tokenizer.special_tokens.{role} must be a token (a non-empty string) or null, got {token!r}")
+            # A space splits the post-processor's template ("{cls} $A {sep}") into two tokens it does not know
+            require(token is None or (isinstance(token, str) and token.strip() != "" and token.split() == [token]),
+                    f"tokenizer.special_tokens.{role} must be a token (a non-empty string without spaces) or null, "
+                    f"got {token!r}")
         self.special_tokens = {**BERT_SPECIAL_TOKENS, **self.special_tokens}  # roles not named keep BERT's
         # A trained tokenizer adds one id per token: a token in two roles would make a sequence's start marker
         # end its documents too. (A pretrained one may mean it: GPT-2 has one token for all of them.)

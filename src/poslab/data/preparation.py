@@ -48,6 +48,9 @@ from poslab.data.tokenizer import TRAINING_VERSION, load_tokenizer, save_tokeniz
 from poslab.errors import DataError
 
 MANIFEST_VERSION = 1
+# Bump when the same text and tokenizer give other tokens or labels (the sentence segmenter's rules included; 2:
+# special-token strings in the text are text, sentences without tokens are not counted): caches are keyed by it.
+ENCODING_VERSION = 2
 SENTENCE_COLUMNS = ("doc_id", "paragraph_index", "sentence_index", "sentence_in_paragraph",
                     "sentence_start", "paragraph_start", "document_start")
 
@@ -91,7 +94,8 @@ def label_documents(laid: list[tuple[str, list[int], list[int]]], encodings: lis
     when a token carries it (byte-level BPE's "Ġ", newlines), belongs to the next sentence, and characters
     the normaliser drops are skipped. One alignment query per sentence rather than an offset pair per
     token keeps labelling a small fraction of tokenisation time. Documents without tokens are dropped
-    (their ids stay unused); a sentence without tokens gets none.
+    (their ids stay unused), and so are sentences without tokens (all their characters normalised away: zero-width
+    spaces), and paragraphs left without a sentence: the structure labels count the sentences a model sees.
     """
     keep = [i for i, e in enumerate(encodings) if len(e)]
     encodings, laid = [encodings[i] for i in keep], [laid[i] for i in keep]
@@ -103,14 +107,17 @@ def label_documents(laid: list[tuple[str, list[int], list[int]]], encodings: lis
     # A sentence without tokens starts where the next one does (reverse running minimum), so that each
     # token belongs to the last sentence starting at or before it: sentence k has starts[k + 1] - starts[k] tokens.
     starts = np.minimum.accumulate(np.asarray(starts, dtype=np.int64)[::-1])[::-1]
-    sentence_of_token = np.repeat(np.arange(len(starts)), np.diff(starts, append=len(ids)))
+    counts = np.diff(starts, append=len(ids))
     sentences = np.fromiter((len(ends) for _, ends, _ in laid), dtype=np.int64, count=len(keep))
     doc_of_sentence = np.repeat(np.arange(len(keep)), sentences)
     paragraph_base = np.cumsum([0] + [p[-1] + 1 for _, _, p in laid])[:-1]
     paragraph_of_sentence = np.fromiter(itertools.chain.from_iterable(p for _, _, p in laid), dtype=np.int64,
                                         count=len(starts)) + paragraph_base[doc_of_sentence]
+    seen = counts > 0
+    sentence_of_token = np.repeat(np.arange(int(seen.sum())), counts[seen])
+    paragraphs = np.unique(paragraph_of_sentence[seen], return_inverse=True)[1].astype(np.int64)  # renumbered
     return EncodedDocuments(np.asarray(keep, dtype=np.int64) + first_id, lengths, ids, sentence_of_token,
-                            paragraph_of_sentence, doc_of_sentence)
+                            paragraphs, doc_of_sentence[seen])
 
 
 class ShardWriter:
@@ -142,9 +149,7 @@ class ShardWriter:
         stream[position] = batch.ids
         rows = np.full(len(stream), -1, dtype=np.int32)
         rows[position] = batch.sentence_of_token + self.n_sentences
-        # A sentence starts at its first token; one without tokens (all characters normalised away) at the
-        # next token, which no label ever refers to.
-        first_token = np.minimum(np.searchsorted(batch.sentence_of_token, np.arange(n_sent)), len(position) - 1)
+        first_token = np.searchsorted(batch.sentence_of_token, np.arange(n_sent))  # every sentence has tokens
         sentence_start = position[first_token]
         sentence = np.arange(n_sent)
         first_of_paragraph = np.searchsorted(batch.paragraph_of_sentence, batch.paragraph_of_sentence)
@@ -229,6 +234,9 @@ def _write(config: DataConfig, root: Path, log: Callable[[str], None],
     ids = special_ids(tok, tcfg, origin)
     hf = save_tokenizer(tok, ids, tcfg, root / "tokenizer")
     vocab_size = len(hf)
+    # "[SEP]" or "[MASK]" written in a document is text, not the special token (a separator mid-document, a
+    # [MASK] the masking never chose); the saved tokenizer keeps the library's default for its users.
+    tok.encode_special_tokens = True
     token_dtype = np.dtype(np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32)
 
     writers = {}
@@ -344,7 +352,7 @@ def prepare_key(config: DataConfig, evaluation_only: bool = False) -> str:
     the synthetic grammar and tokenizer training, so that changing any prepares afresh instead of reusing
     stale data. An evaluation-only preparation has its own key (the ordinary keys are unchanged)."""
     content = {"prepare": config.prepare_dict(), "format": MANIFEST_VERSION, "grammar": GRAMMAR_VERSION,
-               "tokenizer_training": TRAINING_VERSION}
+               "tokenizer_training": TRAINING_VERSION, "encoding": ENCODING_VERSION}
     if evaluation_only:
         content["evaluation_only"] = True
     if named := _named_paths(config):  # keys of configs that name no local path are unchanged
@@ -366,18 +374,17 @@ def _named_paths(config: DataConfig) -> list[str]:
 
 
 def _local_files(config: DataConfig) -> dict[str, list[int]] | None:
-    """{absolute path: [size, mtime_ns]} of the local corpus and tokenizer files preparation reads; None
-    when they cannot all be found (moved or deleted since). Size and time, not a hash of the contents: a
-    local corpus may be many gigabytes."""
+    """{absolute path: [size, mtime_ns]} of the local corpus and tokenizer files preparation reads (a
+    tokenizer named by hub id has none); None when the corpus files cannot all be found (moved or deleted
+    since). Size and time, not a hash of the contents: a local corpus may be many gigabytes."""
     try:
         files = list(getattr(open_source(config.source), "files", []))
     except DataError:
         return None
     if config.tokenizer.path is not None:
         path = Path(config.tokenizer.path)
-        if not path.exists():
-            return None
-        files += sorted(path.iterdir()) if path.is_dir() else [path]
+        if path.exists():  # else a hub name (bert-base-uncased): the corpus files are still checked
+            files += sorted(path.iterdir()) if path.is_dir() else [path]
     stats = {str(f.resolve()): f.stat() for f in files if f.is_file()}
     return {name: [stat.st_size, stat.st_mtime_ns] for name, stat in stats.items()}
 

@@ -41,6 +41,14 @@ def _limit(value: Any) -> int | None:
     return value
 
 
+def _relative_glob(pattern: str, where: str) -> None:
+    """A glob searches inside the directories ``paths`` names: an absolute one (pathlib refuses it with a
+    NotImplementedError) or one with '..' (it read files outside them) names files elsewhere."""
+    require(pattern != "" and not Path(pattern).is_absolute() and ".." not in Path(pattern).parts,
+            f"{where} glob must be a pattern inside the directories of paths, such as '*.txt' or 'sub/**/*.txt', "
+            f"got {pattern!r}; name other files in paths")
+
+
 def _decode(raw: bytes) -> tuple[str, int]:
     """UTF-8 text with invalid bytes replaced by U+FFFD, and how many were replaced."""
     try:
@@ -78,6 +86,7 @@ class TextOptions:
     def __post_init__(self) -> None:
         check_fields(self, "text source ")
         _limit(self.max_documents)
+        _relative_glob(self.glob, "text source")
 
 
 class TextSource:
@@ -120,6 +129,7 @@ class JsonlOptions:
     def __post_init__(self) -> None:
         check_fields(self, "jsonl source ")
         _limit(self.max_documents)
+        _relative_glob(self.glob, "jsonl source")
 
 
 class JsonlSource:
@@ -337,10 +347,9 @@ class SyntheticSource(SyntheticCorpus):
 
 
 def _take(docs: Iterator[Document], limit: int | None) -> Iterator[Document]:
-    for i, doc in enumerate(docs):
-        if limit is not None and i >= limit:
-            return
-        yield doc
+    """The first ``limit`` documents, reading no further: the one after was read (and its invalid bytes
+    counted) before the limit was checked."""
+    return docs if limit is None else itertools.islice(docs, limit)
 
 
 SOURCES: dict[str, type] = {"synthetic": SyntheticSource, "text": TextSource, "jsonl": JsonlSource, "hf": HFSource}

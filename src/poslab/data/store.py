@@ -46,7 +46,11 @@ class Split:
         Loaded on first use: only one-document-per-sequence reading needs it."""
         parts = []
         for i, name in enumerate(self.names):
-            table = np.load(self.directory / f"{name}.documents.npy")
+            path = self.directory / f"{name}.documents.npy"
+            try:
+                table = np.load(path)
+            except (OSError, ValueError) as err:  # as _shard's: a truncated or missing file
+                raise DataError(f"cannot read {path}: {err}; prepare the data again") from None
             parts.append(np.stack([table[:, 1] + self.offsets[i], table[:, 2]], axis=1))
         return np.concatenate(parts)
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from poslab.data.config import _int_range, from_dict
-from poslab.errors import require
+from poslab.errors import check_fields, require
 
 GRAMMAR_VERSION = 3  # bump when generation changes: cached preparations are keyed by it
 
@@ -71,6 +71,7 @@ class SyntheticOptions:
     clause_prob: float = 0.3
 
     def __post_init__(self) -> None:
+        check_fields(self, "synthetic ")  # a seed of 1.5 or "0" (another cache key, the same documents) passed
         require(isinstance(self.documents, int) and self.documents >= 1,
                 f"synthetic documents must be a positive integer, got {self.documents!r}")
         self.paragraphs = _int_range(self.paragraphs, "synthetic paragraphs", 1)
