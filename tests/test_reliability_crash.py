@@ -182,6 +182,31 @@ def test_killed_at_every_kind_of_point_resumes_to_the_same_run(tmp_path, referen
                        "uninterrupted one (metrics, weights, AdamW state)")
 
 
+def test_a_damaged_last_and_a_kill_in_the_next_save_keep_the_run(tmp_path, reference, reliability):
+    """A damaged `last` makes a resume start from `last/previous`, the only intact copy, which the next save's
+    rotation drops before putting its new one in place: killed there, no intact checkpoint was left ("no
+    checkpoint at ... last is corrupt"). The fully written new one is now found, and the run ends as if never
+    interrupted."""
+    config, ref_dir, ref_log, _ = reference
+    out, argv = tmp_path / "run", [str(config), "--out", str(tmp_path / "run")]
+    assert run(argv, tmp_path / "leg0.log", crash_at="step@4") == -signal.SIGKILL  # last: step 3, previous: 2
+    model = out / "checkpoints" / "last" / "model.safetensors"
+    data = bytearray(model.read_bytes())
+    data[-5] ^= 1
+    model.write_bytes(bytes(data))
+    leg1 = tmp_path / "leg1.log"
+    assert run(argv + ["--resume"], leg1, crash_at="save.last.dropped_previous@1") == -signal.SIGKILL
+    assert "using " + str(out / "checkpoints" / "last" / "previous") in leg1.read_text()
+    log = tmp_path / "final.log"
+    assert run(argv + ["--resume"], log) == 0, log.read_text()
+    assert "using " + str(out / "checkpoints" / ".last.tmp") in log.read_text()
+    assert_same_run(out, ref_dir, log, ref_log)
+    reliability.record("crash", "a bit flipped in `last`, then SIGKILL in the next save's rotation after it dropped "
+                       "`last/previous` (the only intact copy)", 1,
+                       "the fully written new checkpoint is found; the resumed run is bitwise equal to the "
+                       "uninterrupted one")
+
+
 def test_killed_before_the_first_checkpoint_starts_over(tmp_path, reference, reliability):
     config, ref_dir, ref_log, _ = reference
     out, log = crash_and_resume(tmp_path, config, ["step@1", "evaluate@1", "save.best.model@1"])

@@ -116,6 +116,9 @@ def test_invalid_values_raise_one_line_config_errors(tmp_path, override, message
     ({"fsdp": 1}, "train.fsdp must be true or false, got 1"),
     ({"eps": math.inf}, "train.eps must be a finite number, got inf"),
     ({"weight_decay": math.inf}, "train.weight_decay must be a finite number, got inf"),
+    # ended as "training diverged ... lower train.lr or raise train.warmup_steps": the decay flipped every weight
+    ({"weight_decay": 1e300}, "train.lr x train.weight_decay must be below 1 (AdamW scales the weights by 1 - their "
+                              "product each step), got 0.0003 x 1e+300; lower either"),
     ({"grad_clip": math.inf}, "train.grad_clip must be a finite number, got inf"),
     ({"lr": "fast"}, "train.lr must be a number, got 'fast'"),
     ({"steps": 2.0}, "train.steps must be an integer, got 2.0"),
@@ -302,7 +305,7 @@ def test_resume_continues_bitwise(tmp_path, monkeypatch):
     real_step = trainer_module.Trainer._train_step
 
     def crash_at_step_5(self, step):
-        if step == 4:
+        if step == 4:  # the fifth update (steps count from 0 here)
             raise KeyboardInterrupt  # the process dies after the step-4 checkpoint
         return real_step(self, step)
 
@@ -1295,6 +1298,49 @@ def test_tensorboard_forgets_the_steps_a_resume_redoes(tmp_path, monkeypatch, cr
     events.Reload()
     steps = [e.step for e in events.Scalars("train/loss")]
     assert steps == sorted(set(steps)) == list(range(1, 7))
+
+
+def test_a_finished_run_evaluated_on_another_split_keeps_its_best_checkpoint(tmp_path):
+    """Resumed with no step left only to evaluate on the test split, a finished run started the best choice
+    again on that split: its final weights replaced checkpoints/best, chosen on the test set, with no record of
+    that evaluation in metrics.jsonl. The summary evaluation now only measures."""
+    run = tmp_path / "run"
+    first = train(RunConfig.from_dict(tiny_config(steps=4, eval_every=1)), run)
+    best, records = ckpt.load_trainer_state(run / "checkpoints/best")["best"], (run / "metrics.jsonl").read_text()
+    summary = train(RunConfig.from_dict(tiny_config(steps=4, eval_every=1, eval_split="test")), run, resume=True)
+    assert ckpt.load_trainer_state(run / "checkpoints/best")["best"] == best
+    assert (run / "metrics.jsonl").read_text() == records
+    assert summary["best_step"] == first["best_step"] == best["step"]
+    assert summary["eval_loss"] != first["eval_loss"]  # measured on the test split
+
+
+def test_a_run_stopped_between_evaluations_and_ended_at_its_step_gets_its_final_evaluation(tmp_path, monkeypatch):
+    """Stopped after step 4 of an evaluation every 3 steps, then resumed with train.steps 4 (as the refusal of a
+    lower train.steps says to): its final evaluation was measured but never recorded, while it could still
+    choose checkpoints/best. It is recorded now, once: a second resume only measures."""
+    run = tmp_path / "run"
+    real_step = trainer_module.Trainer._train_step
+
+    def stop(self, step):
+        if step == 4:  # the fifth update (steps count from 0 here)
+            raise KeyboardInterrupt
+        return real_step(self, step)
+
+    monkeypatch.setattr(trainer_module.Trainer, "_train_step", stop)
+    with pytest.raises(KeyboardInterrupt):
+        train(RunConfig.from_dict(tiny_config(steps=6, eval_every=3, checkpoint_every=1)), run)
+    monkeypatch.undo()
+    assert ckpt.load_trainer_state(run / "checkpoints/last")["step"] == 4
+    ended = RunConfig.from_dict(tiny_config(steps=4, eval_every=3, checkpoint_every=1))
+    summary = train(ended, run, resume=True)
+    evals = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [3, 4] and evals[-1]["eval_loss"] == summary["eval_loss"]
+    assert ckpt.load_trainer_state(run / "checkpoints/last")["evaluated"] == 4
+    best = ckpt.load_trainer_state(run / "checkpoints/best")["best"]
+    assert best["step"] == summary["best_step"] and best["value"] == min(r["eval_loss"] for r in evals)
+    records = (run / "metrics.jsonl").read_text()
+    train(ended, run, resume=True)
+    assert (run / "metrics.jsonl").read_text() == records
 
 
 def test_a_resume_keeps_the_batch_size(tmp_path):

@@ -18,8 +18,9 @@ the run.
 
 Atomicity: a save writes a hidden sibling ``.NAME.tmp`` and fsyncs it, then drops ``NAME/previous``,
 moves ``NAME`` aside to ``.NAME.old``, renames the new one in and tucks the old one in as its
-``previous``. At every instant one of ``NAME``, ``NAME/previous`` or ``.NAME.old`` is complete, and the
-next save finishes whatever an interrupted one left.
+``previous``. At every instant one of ``NAME``, ``NAME/previous``, ``.NAME.old`` or a fully written
+``.NAME.tmp`` is complete (the last one matters when ``NAME`` was damaged: its ``previous``, the intact copy, is
+what the rotation drops), and the next save finishes whatever an interrupted one left.
 
 Test seam: ``crash_point`` lets crash tests kill the process at a named point (see its docstring).
 """
@@ -130,8 +131,13 @@ def save_checkpoint(
     tmp, old = _aside(path, "tmp"), _aside(path, "old")
     if old.exists():  # a previous save died after moving NAME aside: finish its rotation
         os.rename(old, path / PREVIOUS if path.exists() else path)
-    if tmp.exists():  # a previous save died while writing
-        shutil.rmtree(tmp)
+    if tmp.exists():
+        try:
+            verify(tmp)
+        except CheckpointError:  # a previous save died while writing
+            shutil.rmtree(tmp)
+        else:  # or once it had written everything: it may be the only intact copy, so put it in place first
+            _rotate(tmp, path, old)
     try:
         with _no_hf_progress_bar():  # a bar per save would bury the training log
             model.save_pretrained(tmp, state_dict=model_state)
@@ -158,6 +164,12 @@ def save_checkpoint(
             raise OSError(errno.ENOSPC, f"no space left on device for checkpoint {path.name} (the last intact one "
                                         "is kept: free space, then resume with --resume)", str(path)) from None
         raise
+    _rotate(tmp, path, old)
+
+
+def _rotate(tmp: Path, path: Path, old: Path) -> None:
+    """Put the complete checkpoint ``tmp`` in place of ``path``, which becomes its ``previous`` (moved aside to
+    ``old`` meanwhile); the ``previous`` before it goes."""
     if path.exists():
         shutil.rmtree(path / PREVIOUS, ignore_errors=True)
         crash_point(f"save.{path.name}.dropped_previous")
@@ -227,12 +239,13 @@ def verify(path: Path, skip: frozenset[str] = frozenset()) -> None:
 
 
 def resolve(path: Path, log: Callable[[str], None] | None = None, model_only: bool = False) -> Path:
-    """The newest intact checkpoint among ``path``, ``path/previous`` and an interrupted save's moved-aside
-    copy (``model_only``: whose model is intact, the files only a resume reads aside). When a newer one was
+    """The first intact checkpoint among ``candidates(path)``: ``path``, ``path/previous``, an interrupted save's
+    moved-aside copy and its new one (``model_only``: whose model is intact, the files only a resume reads aside). When a newer one was
     skipped, ``log`` (default: stderr) gets one line saying why and what is used. Raises CheckpointError when
     none is intact, or when the intact one is of another checkpoint format."""
     problems = []
-    for candidate in candidates(path):
+    # Last, a save that died after writing everything but before its rotation: intact only if it did
+    for candidate in [*candidates(path), _aside(Path(path), "tmp")]:
         if not candidate.is_dir():
             continue
         try:

@@ -114,6 +114,9 @@ class TrainConfig:
         require(first_step <= torch.finfo(torch.float32).max,
                 f"train.lr ({self.lr:g}) is too large: AdamW's first step, lr / (1 - train.betas[0]) = {first_step:.3g}, "
                 "does not fit in a float32; lower train.lr")
+        # AdamW multiplies each weight by 1 - lr x weight_decay per step: at 1 or more it zeroes or flips them
+        require(self.lr * self.weight_decay < 1, f"train.lr x train.weight_decay must be below 1 (AdamW scales the "
+                f"weights by 1 - their product each step), got {self.lr:g} x {self.weight_decay:g}; lower either")
         require(self.eps > 0, f"train.eps must be > 0, got {self.eps}")
         require(self.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip}")
         require(self.eval_batch_size is None or self.eval_batch_size >= 1,

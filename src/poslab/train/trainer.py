@@ -171,6 +171,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg, self.device)
 
         self.step, self.best, self.last_loss, done = 0, None, math.nan, 0
+        self.evaluated: int | None = None  # the step of the last evaluation recorded in metrics.jsonl
         if last is not None:
             optimizer_state, scheduler_state, rng_states = ckpt.load_states(last)
             _load_moments(self.model, self.optimizer, optimizer_state)
@@ -178,6 +179,8 @@ class Trainer:
             if parallel.rank < len(rng_states):  # a resume on more ranks keeps the fresh per-rank seeds
                 ckpt.set_rng_state(rng_states[parallel.rank], self.device)
             self.step, self.best, self.last_loss = state["step"], state["best"], state["last_loss"]
+            # Checkpoints from before this key: taken as evaluated at their step, as they were read then
+            self.evaluated = state.get("evaluated", self.step)
         self.scheduler = build_scheduler(self.optimizer, cfg, done)
         if resume and checkpoint_exists(self.out / CHECKPOINTS / "best"):  # best may be newer than last: trust its record
             with contextlib.suppress(CheckpointError):
@@ -254,7 +257,7 @@ class Trainer:
         seconds (this session's wall time), tokens_per_s (over this session's training steps, evaluation and
         checkpoints excluded), the final evaluation as eval_<metric>, and best_step / best_<metric>.
         A stop requested through ``stop`` saves checkpoints/last and raises KeyboardInterrupt."""
-        cfg, start_step, started = self.cfg, self.step, time.perf_counter()
+        cfg, start_step, last_evaluated, started = self.cfg, self.step, self.evaluated, time.perf_counter()
         window = {"tokens": 0, "seconds": 0.0, "data_seconds": 0.0}
         tokens_total, step_seconds, evaluated, saved = 0, 0.0, None, None
         try:
@@ -285,10 +288,14 @@ class Trainer:
                             self.monitor.message(f"stopped after step {self.step} by {by}; checkpoints/last holds it")
                         raise KeyboardInterrupt
             # The final weights are evaluated before they are saved: a run never ends on a broken checkpoint.
-            # Resuming a finished run evaluates again for the summary, but its record is already in metrics.jsonl.
-            final = (evaluated if evaluated is not None and evaluated[0] == self.step
-                     else self._evaluate(log=self.step > start_step))
-            if self.step > start_step and saved != self.step:
+            # Resuming a finished run evaluates again for the summary only: its final evaluation is recorded, and
+            # one on another split (a test set) must not choose the best checkpoint. A run stopped between
+            # evaluations and resumed at its step (train.steps lowered to it) gets its final evaluation here.
+            if evaluated is not None and evaluated[0] == self.step:
+                final = evaluated
+            else:
+                final = self._evaluate(record=self.evaluated != self.step)
+            if self.step > start_step and saved != self.step or self.evaluated != last_evaluated:
                 self._save("last")
         finally:
             self.close()
@@ -364,7 +371,8 @@ class Trainer:
         try:
             kept = f"the last good checkpoint is {last} (step {ckpt.load_trainer_state(ckpt.resolve(last))['step']})"
         except CheckpointError:
-            kept = "no checkpoint was written yet"
+            kept = "no checkpoints/last was written yet" + (" (checkpoints/best holds the best so far)" if
+                                                            checkpoint_exists(self.out / CHECKPOINTS / "best") else "")
         raise TrainingDiverged(f"training diverged: {what}; {kept}; lower train.lr or raise train.warmup_steps")
 
     def _log(self, record: dict[str, float], window: dict[str, float]) -> None:
@@ -375,16 +383,21 @@ class Trainer:
             "tokens_per_s": window["tokens"] / window["seconds"],
             "data_fraction": window["data_seconds"] / window["seconds"]})
 
-    def _evaluate(self, log: bool = True) -> tuple[int, dict[str, float]]:
+    def _evaluate(self, record: bool = True) -> tuple[int, dict[str, float]]:
+        """(step, metrics) of the current weights; ``record``: logged to metrics.jsonl and a candidate for the
+        best checkpoint, else only measured (a finished run's summary)."""
         metrics = evaluation.evaluate(unwrap(self.model), self.source, self.config, self.device, self.autocast)
         # Ranks compute the same numbers, unless a kernel or a mix of GPUs rounds otherwise: then one rank alone
         # would enter the collective _save below and every rank would hang.
         metrics = self.parallel.broadcast(metrics)
         ckpt.crash_point("evaluate")
-        if self.monitor is not None and log:
+        if self.monitor is not None and record:
             self.monitor.log_eval(self.step, metrics)
         if metrics.get("tokens") and not math.isfinite(metrics["loss"]):  # finite logits give a finite loss
             self._diverged(f"evaluation loss is {metrics['loss']} at step {self.step}")
+        if not record:
+            return self.step, metrics
+        self.evaluated = self.step
         name, mode = self.cfg.best_metric, self.cfg.best_mode
         value = metrics[name]
         # A resume may change the metric or the evaluation set: a best measured otherwise is not comparable.
@@ -425,7 +438,8 @@ class Trainer:
             ckpt.save_checkpoint(self.out / CHECKPOINTS / name, unwrap(self.model), model_state, optimizer_state,
                                  self.scheduler.state_dict(), rng_states,
                                  {"step": self.step, "best": self.best, "last_loss": self.last_loss,
-                                  "world_size": self.parallel.world_size}, self.tokenizer)
+                                  "evaluated": self.evaluated, "world_size": self.parallel.world_size},
+                                 self.tokenizer)
         self.parallel.barrier()
         return self.step
 
