@@ -239,9 +239,9 @@ def verify(path: Path, skip: frozenset[str] = frozenset()) -> None:
 
 
 def resolve(path: Path, log: Callable[[str], None] | None = None, model_only: bool = False) -> Path:
-    """The first intact checkpoint among ``candidates(path)``: ``path``, ``path/previous``, an interrupted save's
-    moved-aside copy and its new one (``model_only``: whose model is intact, the files only a resume reads aside). When a newer one was
-    skipped, ``log`` (default: stderr) gets one line saying why and what is used. Raises CheckpointError when
+    """The first intact checkpoint among ``path``, ``path/previous``, an interrupted save's moved-aside copy and
+    its new one (``model_only``: whose model is intact, the files only a resume reads aside). When a newer one
+    was skipped, ``log`` (default: stderr) gets one line saying why and what is used. Raises CheckpointError when
     none is intact, or when the intact one is of another checkpoint format."""
     problems = []
     # Last, a save that died after writing everything but before its rotation: intact only if it did

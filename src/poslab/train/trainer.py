@@ -171,7 +171,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg, self.device)
 
         self.step, self.best, self.last_loss, done = 0, None, math.nan, 0
-        self.evaluated: int | None = None  # the step of the last evaluation recorded in metrics.jsonl
+        self.recorded_eval: int | None = None  # the step of the last evaluation recorded in metrics.jsonl
         if last is not None:
             optimizer_state, scheduler_state, rng_states = ckpt.load_states(last)
             _load_moments(self.model, self.optimizer, optimizer_state)
@@ -180,7 +180,7 @@ class Trainer:
                 ckpt.set_rng_state(rng_states[parallel.rank], self.device)
             self.step, self.best, self.last_loss = state["step"], state["best"], state["last_loss"]
             # Checkpoints from before this key: taken as evaluated at their step, as they were read then
-            self.evaluated = state.get("evaluated", self.step)
+            self.recorded_eval = state.get("evaluated", self.step)
         self.scheduler = build_scheduler(self.optimizer, cfg, done)
         if resume and checkpoint_exists(self.out / CHECKPOINTS / "best"):  # best may be newer than last: trust its record
             with contextlib.suppress(CheckpointError):
@@ -257,7 +257,7 @@ class Trainer:
         seconds (this session's wall time), tokens_per_s (over this session's training steps, evaluation and
         checkpoints excluded), the final evaluation as eval_<metric>, and best_step / best_<metric>.
         A stop requested through ``stop`` saves checkpoints/last and raises KeyboardInterrupt."""
-        cfg, start_step, last_evaluated, started = self.cfg, self.step, self.evaluated, time.perf_counter()
+        cfg, start_step, recorded_before, started = self.cfg, self.step, self.recorded_eval, time.perf_counter()
         window = {"tokens": 0, "seconds": 0.0, "data_seconds": 0.0}
         tokens_total, step_seconds, evaluated, saved = 0, 0.0, None, None
         try:
@@ -294,8 +294,8 @@ class Trainer:
             if evaluated is not None and evaluated[0] == self.step:
                 final = evaluated
             else:
-                final = self._evaluate(record=self.evaluated != self.step)
-            if self.step > start_step and saved != self.step or self.evaluated != last_evaluated:
+                final = self._evaluate(record=self.recorded_eval != self.step)
+            if (self.step > start_step and saved != self.step) or self.recorded_eval != recorded_before:
                 self._save("last")
         finally:
             self.close()
@@ -397,7 +397,7 @@ class Trainer:
             self._diverged(f"evaluation loss is {metrics['loss']} at step {self.step}")
         if not record:
             return self.step, metrics
-        self.evaluated = self.step
+        self.recorded_eval = self.step
         name, mode = self.cfg.best_metric, self.cfg.best_mode
         value = metrics[name]
         # A resume may change the metric or the evaluation set: a best measured otherwise is not comparable.
@@ -438,7 +438,7 @@ class Trainer:
             ckpt.save_checkpoint(self.out / CHECKPOINTS / name, unwrap(self.model), model_state, optimizer_state,
                                  self.scheduler.state_dict(), rng_states,
                                  {"step": self.step, "best": self.best, "last_loss": self.last_loss,
-                                  "evaluated": self.evaluated, "world_size": self.parallel.world_size},
+                                  "evaluated": self.recorded_eval, "world_size": self.parallel.world_size},
                                  self.tokenizer)
         self.parallel.barrier()
         return self.step
