@@ -37,8 +37,9 @@ def section(data: dict, out: str) -> str:
         "this machine, one 10 s over): each cut moved its recipe's values and kept its verdicts, as its search had "
         "them on seeds that took no part in the choice. Three runs of the twenty-sixth session's work took 1009-1166 "
         "s and gave the same 33 values to the last digit; three on the twenty-seventh's (1097-1115 s) gave those "
-        "values again, and so did this one, on the twenty-eighth session's final code (1042 s): its fixes (data "
-        "encoding, claim rounding, checkpoints, input checks) change nothing these recipes train or measure. "
+        "values again, and so did two on the twenty-eighth's, this one on its final code (1099 s) and one before "
+        "(1042 s): its fixes (data encoding, claim rounding, checkpoints, input checks) change nothing these recipes "
+        "train or measure. "
         "The trainings of the recipes other than DSTG "
         "took from 5% less to 11% more than in the last 1,500-step run (1102 s), whose other 24 values they equal: "
         "this machine's speed varies by that much from hour to hour.",
