@@ -604,6 +604,11 @@ def test_tokenizer_never_learns_from_the_validation_documents(tmp_path):
     with pytest.raises(DataError, match="no documents to train the tokenizer on: validation_documents takes 40"):
         prepare(_config(source={"type": "jsonl", "paths": str(corpus)}, validation_documents=40), tmp_path / "none")
     assert not (tmp_path / "none").exists()
+    # --out's parents that the preparation made go too; one that existed stays
+    with pytest.raises(DataError, match="validation_documents takes 40"):
+        prepare(_config(source={"type": "jsonl", "paths": str(corpus)}, validation_documents=40),
+                tmp_path / "new" / "nested" / "out")
+    assert not (tmp_path / "new").exists()
 
 
 def test_existing_output_needs_force(prepared, tmp_path):

@@ -1,4 +1,5 @@
-"""Writing a file so that no reader, and no crash, ever sees half of it.
+"""Writing a file so that no reader, and no crash, ever sees half of it; making directories that a failure
+can take back.
 
 The content goes to a temporary file in the same directory (a rename is atomic only within one file
 system), is flushed to disk, and is then renamed over the target; on any failure the temporary file is
@@ -45,3 +46,28 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], object]) -> Pa
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     """``path`` holds ``text`` (UTF-8), whole or not at all."""
     return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def make_dirs(directory: str | os.PathLike) -> list[Path]:
+    """Create ``directory`` with its missing parents; returns the directories made, outermost first."""
+    directory = Path(directory)
+    missing = []
+    while not directory.exists():
+        missing.append(directory)
+        if directory.parent == directory:
+            break
+        directory = directory.parent
+    missing.reverse()
+    if missing:
+        missing[-1].mkdir(parents=True, exist_ok=True)
+    return missing
+
+
+def remove_made_dirs(made: list[Path]) -> None:
+    """Take back what ``make_dirs`` made, innermost first, stopping at the first directory something was
+    written into meanwhile (that one stays, with its parents)."""
+    for directory in reversed(made):
+        try:
+            directory.rmdir()
+        except OSError:
+            break

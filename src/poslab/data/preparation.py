@@ -46,6 +46,7 @@ from poslab.data.sources import Document, document_text, open_source
 from poslab.data.synthetic import GRAMMAR_VERSION
 from poslab.data.tokenizer import TRAINING_VERSION, load_tokenizer, save_tokenizer, special_ids, train_tokenizer
 from poslab.errors import DataError
+from poslab.files import make_dirs, remove_made_dirs
 
 MANIFEST_VERSION = 1
 # Bump when the same text and tokenizer give other tokens or labels (the sentence segmenter's rules included; 2:
@@ -309,7 +310,7 @@ def prepare(config: DataConfig, out: str | Path, *, force: bool = False,
         what = "a directory of other files" if out.is_dir() else "not a directory"
         raise DataError(f"--force replaces only an empty or a prepared data directory (one with manifest.json), "
                         f"and {out} is {what}; choose another --out")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    made = make_dirs(out.parent)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         manifest = _write(config, tmp, log, evaluation_only)
@@ -320,6 +321,10 @@ def prepare(config: DataConfig, out: str | Path, *, force: bool = False,
             shutil.rmtree(old, ignore_errors=True)
         else:
             _rename_new(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        remove_made_dirs(made)  # a failed preparation leaves no trace, not even the --out's new parents
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return manifest

@@ -13,6 +13,9 @@ L exceeds ``original_max_len``; Hugging Face instead keeps the largest length se
 on any single call with a fresh model. With a KV cache, as in Hugging Face, each key keeps the rotation
 of the call that cached it: decoding past ``original_max_len`` token by token scores earlier keys with
 a smaller stretch than one full pass over the same tokens would, so the two differ there.
+Because the stretch follows the largest position, dynamic NTK is shift-invariant only within
+``original_max_len``: past it, shifting every position changes the logits (``Scheme.relative`` describes the
+default scaling, as for xPos's blocks).
 """
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ import socket
 from pathlib import Path
 
 from poslab.errors import PoslabError
+from poslab.files import make_dirs, remove_made_dirs
 
 LOCK_FILE = ".lock"
 
@@ -34,7 +35,7 @@ class RunLock:
     def acquire(self) -> str | None:
         """Take the lock or raise RunLocked. Returns the owner a crashed run left in the file (its pid and
         host), or None when the file was new or released cleanly."""
-        self.created = _make_dirs(self.directory)
+        self.created = make_dirs(self.directory)
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -65,25 +66,8 @@ class RunLock:
         self.path.unlink(missing_ok=True)
         os.close(self.fd)
         self.fd = None
-        if remove_created:
-            for directory in reversed(self.created):
-                try:
-                    directory.rmdir()
-                except OSError:  # not empty: the run wrote something there, which stays
-                    break
-
-
-def _make_dirs(directory: Path) -> list[Path]:
-    missing = []
-    while not directory.exists():
-        missing.append(directory)
-        if directory.parent == directory:
-            break
-        directory = directory.parent
-    missing.reverse()
-    if missing:
-        missing[-1].mkdir(parents=True, exist_ok=True)
-    return missing
+        if remove_created:  # a directory the run wrote something into stays
+            remove_made_dirs(self.created)
 
 
 def _read(fd: int) -> str:
