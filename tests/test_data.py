@@ -5,6 +5,7 @@ import json
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -787,9 +788,10 @@ def test_cache_entry_of_local_files_is_theirs(tmp_path, monkeypatch, kind):
 
 
 def test_concurrent_preparers_keep_the_first_copy(tmp_path, monkeypatch):
-    """torchrun ranks building one source prepare the same cache entry at once. The first copy renamed
-    into place is the one every rank reads: a later preparer must discard its own copy, never swap the
-    first one out from under a rank already reading it (its tokenizer may number tokens differently)."""
+    """Where the cache's lock cannot serialise them (a file system without flock), preparers of one cache
+    entry race. The first copy renamed into place is the one every rank reads: a later preparer must discard
+    its own copy, never swap the first one out from under a rank already reading it (its tokenizer may number
+    tokens differently)."""
     import poslab.data.preparation as preparation
 
     options = {"source": {**SYNTH, "documents": 20}, "tokenizer": TOKENIZER, "cache_dir": str(tmp_path)}
@@ -805,7 +807,7 @@ def test_concurrent_preparers_keep_the_first_copy(tmp_path, monkeypatch):
 
     monkeypatch.setattr(preparation, "_write", another_rank_finishes_first)
     assert preparation.ensure_prepared(config) == path
-    assert (path / "first").is_file() and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+    assert (path / "first").is_file() and _siblings(path) == [path.name]
     target[0] = tmp_path / "out"
     with pytest.raises(DataError, match="appeared while"):
         prepare(config, tmp_path / "out")
@@ -813,6 +815,42 @@ def test_concurrent_preparers_keep_the_first_copy(tmp_path, monkeypatch):
 
 
 # -- command line ------------------------------------------------------------------------------------------
+
+
+def test_one_process_prepares_a_cache_entry_while_the_others_wait(tmp_path, monkeypatch):
+    """Every torchrun rank builds its source, so each would stream and tokenize the whole corpus: the cache
+    entry's lock lets one prepare while the others wait and then read its copy."""
+    import threading
+
+    import poslab.data.preparation as preparation
+
+    config = DataConfig.from_options({"source": {**SYNTH, "documents": 20}, "tokenizer": TOKENIZER,
+                                      "cache_dir": str(tmp_path)})
+    writing, release, write, calls = threading.Event(), threading.Event(), preparation._write, []
+
+    def slow_write(*args, **kwargs):
+        calls.append(threading.current_thread().name)
+        writing.set()
+        release.wait(10)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(preparation, "_write", slow_write)
+    results, logs = {}, []
+    ranks = [threading.Thread(target=lambda r=r: results.update({r: preparation.ensure_prepared(config, logs.append)}),
+                              name=f"rank{r}") for r in range(3)]
+    ranks[0].start()
+    assert writing.wait(10)
+    for rank in ranks[1:]:
+        rank.start()
+    deadline = time.monotonic() + 10
+    while sum(line.startswith("waiting for another process") for line in logs) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    release.set()
+    for rank in ranks:
+        rank.join(30)
+    assert calls == ["rank0"] and len(set(results.values())) == 1 and len(results) == 3
+    assert (results[0] / "manifest.json").is_file()
+
 
 
 def test_cli_prepare(tmp_path, capsys):

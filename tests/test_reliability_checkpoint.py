@@ -18,11 +18,11 @@ from safetensors.torch import load_file
 
 import poslab
 import poslab.cli
+import poslab.files
 from poslab.errors import CheckpointError
 from poslab.models import build_model
 from poslab.train import checkpoint as ckpt
 from poslab.train import load_run
-from poslab.train import lock as lock_module
 from poslab.train.lock import RunLock, RunLocked
 
 FILES = ["config.json", "model.safetensors", ckpt.OPTIMIZER_FILE, ckpt.SCHEDULER_FILE, ckpt.RNG_FILE,
@@ -347,7 +347,7 @@ def test_lock_left_by_a_dead_owner_and_the_unlink_race(tmp_path, monkeypatch, re
 
     # The holder unlinks its file as it releases: a newcomer that opened the old file just before must not end
     # up locking a file nobody else will ever see.
-    real_flock, calls = lock_module.fcntl.flock, []
+    real_flock, calls = poslab.files.fcntl.flock, []
 
     def flock_after_the_holder_left(fd, operation):
         calls.append(fd)
@@ -355,7 +355,7 @@ def test_lock_left_by_a_dead_owner_and_the_unlink_race(tmp_path, monkeypatch, re
             (directory / ".lock").unlink()
         return real_flock(fd, operation)
 
-    monkeypatch.setattr(lock_module.fcntl, "flock", flock_after_the_holder_left)
+    monkeypatch.setattr(poslab.files.fcntl, "flock", flock_after_the_holder_left)
     racer = RunLock(directory)
     racer.acquire()
     assert len(calls) == 2 and os.path.samestat(os.fstat(racer.fd), os.stat(directory / ".lock"))

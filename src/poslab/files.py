@@ -1,5 +1,5 @@
 """Writing a file so that no reader, and no crash, ever sees half of it; making directories that a failure
-can take back.
+can take back; locks that processes of one job (torchrun's ranks) or of several take turns with.
 
 The content goes to a temporary file in the same directory (a rename is atomic only within one file
 system), is flushed to disk, and is then renamed over the target; on any failure the temporary file is
@@ -7,6 +7,8 @@ removed and the target is left as it was.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import tempfile
 from collections.abc import Callable
@@ -71,3 +73,32 @@ def remove_made_dirs(made: list[Path]) -> None:
             directory.rmdir()
         except OSError:
             break
+
+
+def take_lock(path: Path, waiting: Callable[[], object] | None = None) -> int | None:
+    """An exclusive ``flock`` on the file ``path`` (created when missing); returns its descriptor. When another
+    process holds it: None without ``waiting``, else ``waiting()`` is called once and this blocks until the
+    holder lets go. The kernel drops a lock when its process dies, however it dies."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting is None:
+                os.close(fd)
+                return None
+            waiting()
+            waiting = lambda: None  # noqa: E731 -- said once
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        # The previous holder unlinks the file as it releases: if that happened before our flock (the path is
+        # gone or is a new file), we hold a lock on a file no one else will open, so start again on the new one.
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                return fd
+        os.close(fd)
+
+
+def release_lock(path: Path, fd: int) -> None:
+    """Give back what ``take_lock`` took, unlinking the file first so no one locks a file that is going away."""
+    path.unlink(missing_ok=True)
+    os.close(fd)

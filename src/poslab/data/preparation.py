@@ -24,6 +24,7 @@ the end; on any error the temporary directory is removed.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import itertools
@@ -46,7 +47,7 @@ from poslab.data.sources import Document, document_text, open_source
 from poslab.data.synthetic import GRAMMAR_VERSION
 from poslab.data.tokenizer import TRAINING_VERSION, load_tokenizer, save_tokenizer, special_ids, train_tokenizer
 from poslab.errors import DataError
-from poslab.files import make_dirs, remove_made_dirs
+from poslab.files import make_dirs, release_lock, remove_made_dirs, take_lock
 
 MANIFEST_VERSION = 1
 # Bump when the same text and tokenizer give other tokens or labels (the sentence segmenter's rules included; 2:
@@ -408,9 +409,9 @@ def _check_unchanged(config: DataConfig, path: Path) -> None:
 def ensure_prepared(config: DataConfig, log: Callable[[str], None] = lambda message: None, *,
                     evaluation_only: bool = False) -> Path:
     """The prepared directory for ``config``: ``prepared`` itself, or a cache entry keyed by the content
-    hash of the preparation settings, prepared now if missing (concurrent preparers: the first rename
-    wins, the others discard their copy) and refused if its local files changed since. ``evaluation_only``:
-    only the validation split."""
+    hash of the preparation settings, prepared now if missing (by one process at a time: the others wait
+    for its copy) and refused if its local files changed since. ``evaluation_only``: only the validation
+    split."""
     if config.prepared is not None:
         path = Path(config.prepared)
         if not path.exists():  # a relative path is read from the current directory, not the run config's
@@ -423,14 +424,32 @@ def ensure_prepared(config: DataConfig, log: Callable[[str], None] = lambda mess
     path = Path(config.cache_dir or default_cache_dir()) / prepare_key(config, evaluation_only)
     if (path / "manifest.json").is_file():
         _check_unchanged(config, path)
-    else:
+        return path
+    with _preparing(path, log):
+        if (path / "manifest.json").is_file():  # prepared by the process this one waited for
+            _check_unchanged(config, path)
+            return path
         log(f"preparing data into cache {path}")
         try:
             prepare(config, path, log=log, evaluation_only=evaluation_only)
-        except (DataError, OSError):  # another process may have renamed its copy into place first
+        except (DataError, OSError):  # a preparer on a file system without flock may have renamed its copy first
             if not (path / "manifest.json").is_file():
                 raise
     return path
+
+
+@contextlib.contextmanager
+def _preparing(path: Path, log: Callable[[str], None]) -> Iterator[None]:
+    """Held while preparing the cache entry ``path``: every torchrun rank, and every recipe trained side by side,
+    builds its data source, and without it each would stream and tokenize the whole corpus only for the first
+    copy to be kept. The others wait here, then read that copy."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = path.parent / f".{path.name}.lock"
+    fd = take_lock(lock, waiting=lambda: log(f"waiting for another process preparing {path}"))
+    try:
+        yield
+    finally:
+        release_lock(lock, fd)
 
 
 def _save_array(path: str, array: np.ndarray) -> None:

@@ -8,13 +8,12 @@ and the next run takes it over. A run that finds the lock held refuses in one li
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import socket
 from pathlib import Path
 
 from poslab.errors import PoslabError
-from poslab.files import make_dirs, remove_made_dirs
+from poslab.files import make_dirs, release_lock, remove_made_dirs, take_lock
 
 LOCK_FILE = ".lock"
 
@@ -36,22 +35,13 @@ class RunLock:
         """Take the lock or raise RunLocked. Returns the owner a crashed run left in the file (its pid and
         host), or None when the file was new or released cleanly."""
         self.created = make_dirs(self.directory)
-        while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                owner = _read(fd) or "owner still starting"
-                os.close(fd)
-                raise RunLocked(f"{self.directory} is in use by another poslab run ({owner}); wait for it to finish "
-                                "or choose another output directory") from None
-            # The previous holder unlinks the file as it releases: if that happened between our open and our
-            # flock (the path is gone or is a new file), we hold a lock on a file no one else will open, so
-            # start again on the new one.
-            with contextlib.suppress(FileNotFoundError):
-                if os.path.samestat(os.fstat(fd), os.stat(self.path)):
-                    break
-            os.close(fd)
+        fd = take_lock(self.path)
+        if fd is None:
+            owner = ""
+            with contextlib.suppress(OSError):
+                owner = self.path.read_text(encoding="utf-8", errors="replace").strip()[:256]
+            raise RunLocked(f"{self.directory} is in use by another poslab run ({owner or 'owner still starting'}); "
+                            "wait for it to finish or choose another output directory")
         left_by = _read(fd)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
@@ -59,12 +49,10 @@ class RunLock:
         return left_by or None
 
     def release(self, remove_created: bool = False) -> None:
-        """Give the lock back (unlinking its file first, so no one locks a file that is going away). With
-        ``remove_created``, also remove the directories ``acquire`` made, if nothing else was written there."""
+        """Give the lock back. With ``remove_created``, also remove the directories ``acquire`` made, if nothing else was written there."""
         if self.fd is None:
             return
-        self.path.unlink(missing_ok=True)
-        os.close(self.fd)
+        release_lock(self.path, self.fd)
         self.fd = None
         if remove_created:  # a directory the run wrote something into stays
             remove_made_dirs(self.created)
