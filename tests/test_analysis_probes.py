@@ -24,6 +24,23 @@ def test_split_is_by_sequence_disjoint_and_complete():
 def test_too_few_sequences_is_one_clear_error():
     with pytest.raises(DataError, match="too few sequences for a probe split: 2"):
         split_sequences(2)
+    with pytest.raises(DataError, match="too few distinct sequences for a probe split: 2"):
+        split_sequences(5, same=torch.tensor([[1, 2], [3, 4], [1, 2], [1, 2], [3, 4]]))
+
+
+def test_copies_of_a_sequence_fall_in_one_part_of_the_split():
+    """A task's evaluation set repeats its short problems: a copy on each side would be recalled, not probed."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 4, (40, 3), generator=g)  # 64 possible rows: many repeats
+    ids[:10] = ids[0]
+    s = split_sequences(40, seed=1, same=ids)
+    assert sorted(torch.cat([s.train, s.val, s.test]).tolist()) == list(range(40))
+    parts = [{tuple(row) for row in ids[part].tolist()} for part in (s.train, s.val, s.test)]
+    assert not (parts[0] & parts[1]) and not (parts[0] & parts[2]) and not (parts[1] & parts[2])
+    assert len(parts[2]) == round(len(torch.unique(ids, dim=0)) * 0.25)
+    # distinct rows: the same split as without ``same`` when they come in sorted order
+    distinct = torch.arange(23)[:, None]
+    assert torch.equal(split_sequences(23, seed=3, same=distinct).test, split_sequences(23, seed=3).test)
 
 
 def test_ridge_matches_a_direct_regularised_solve():

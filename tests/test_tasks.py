@@ -265,6 +265,23 @@ def test_determinism_and_what_each_seed_controls():
     assert same(p.train_batch(9, 32), q.train_batch(9, 32))
 
 
+def test_no_two_random_streams_coincide():
+    """numpy pads a shorter seed list with zeros: [data_seed, 3] (validation) once seeded the first training
+    batch of seed 3 ([data_seed, 3, 0, 0]), whose lengths then equalled the validation set's, row for row."""
+    from poslab.tasks.source import STREAMS, stream_rng
+
+    source = build_batch_source(3, "indexing", train_size=None, **SMALL)
+    pad = source.tokenizer.pad_id
+    first = source.train_batch(0, 64)["input_ids"]
+    validation = next(source.eval_batches("validation", 64))["input_ids"]
+    assert ((first != pad).sum(1) == (validation != pad).sum(1)).float().mean() < 0.5
+
+    keys = [(stream, *coordinates) for stream in STREAMS
+            for coordinates in [(), (0,), (3,), (0, 0), (3, 0), (0, 3, 0), (0, 3), (2**32,), (0, 1), (1, 2**32)]]
+    draws = {key: stream_rng(*key).integers(2**63) for key in keys}
+    assert len(set(draws.values())) == len({(k[0], *k[1:], *(0,) * (4 - len(k))) for k in keys})
+
+
 @pytest.mark.parametrize("train_size", [None, 50])
 def test_rank_slices_concatenate_to_the_global_batch(train_size):
     source = build_batch_source(0, "addition", train_size=train_size, **SMALL)
@@ -358,6 +375,9 @@ def test_tokenizer_round_trip_and_file(tmp_path):
     # 10^12 drew problems for over 5 minutes before it was stopped: splits are drawn whole.
     ("reversal", {"validation_size": 10**12}, r"reversal.validation_size must lie in \[1, 10,000,000\]"),
     ("indexing", {"train_size": 10**8}, r"indexing.train_size must lie in \[1, 10,000,000\] \(splits are drawn"),
+    # accepted one by one, together a day and a half of drawing
+    ("addition", {"holdout": 1e-4, "validation_size": 10**7}, r"addition.validation_size / holdout = 1e\+11 draws "
+                                                               r"to fill the split, past 2e\+08"),
     ("indexing", {"train_size": 2.5}, "indexing.train_size must be an integer or null"),
     ("ordering", {"max_len": 30}, "ordering.max_len must be <= 28"),
     # 10^11 asked numpy for 745 GiB (an array of every length); the bound says why it is there.

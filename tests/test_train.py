@@ -100,6 +100,7 @@ def test_unknown_keys_name_the_closest_valid_key(tmp_path, section, key, suggest
     ("train.warmup_steps=10", r"warmup_steps .10. must not exceed train.steps .4.; shortening a run, set both .e.g. "
                               r"--set train.steps=4 --set train.warmup_steps=0.$"),
     ("data.kind=text", "unknown data kind 'text'"),
+    ("data.seed=3", "data.seed is not an option: the run's top-level 'seed' seeds its data"),
     ("model.n_heads=3", "n_heads .3. must divide d_model"),
     ("train=3", "train must be a mapping"),
     ("train=null", "--set train=null would drop the config's whole 'train' section; set its keys instead"),

@@ -180,7 +180,7 @@ def probes(run: Run, opts: Options) -> dict:
     for label, model in _models(run):
         caps, batch = collect(model, batches, STREAMS + ATTN_OUT)
         mask = batch["attention_mask"].bool()
-        split = split_sequences(mask.shape[0], seed=run.config.seed)
+        split = split_sequences(mask.shape[0], seed=run.config.seed, same=batch["input_ids"])
         targets = _probe_targets(batch, mask, opts.targets)
         streams = [n for n in by_depth(caps) if not stream_of(n).startswith("attn_out")]
         entry: dict = {"ridge": {}, "mlp": {}, "classification": {}}

@@ -43,18 +43,32 @@ class SequenceSplit:
 
 
 def split_sequences(n_sequences: int, test_fraction: float = 0.25, val_fraction: float = 0.2,
-                    seed: int = 0) -> SequenceSplit:
-    """A seeded split of sequence indices 0..S-1: test first, then validation out of the rest."""
+                    seed: int = 0, same: torch.Tensor | None = None) -> SequenceSplit:
+    """A seeded split of sequence indices 0..S-1: test first, then validation out of the rest.
+
+    ``same`` (S, ...), e.g. the token ids: sequences with equal rows fall in one part, and the fractions
+    count distinct sequences. A task's evaluation set repeats its shortest problems, and a copy on each side
+    of the split is recalled, not probed. Without it every sequence counts as distinct."""
     if not 0 < test_fraction < 1 or not 0 < val_fraction < 1:
         raise DataError(f"probe split fractions must lie in (0, 1), got test {test_fraction}, val {val_fraction}")
-    n_test = max(1, round(n_sequences * test_fraction))
-    n_val = max(1, round((n_sequences - n_test) * val_fraction))
-    if n_sequences - n_test - n_val < 1:
-        raise DataError(f"too few sequences for a probe split: {n_sequences} (need at least 3: train, validation and "
+    if same is None:
+        groups, n_groups = torch.arange(n_sequences), n_sequences
+    else:
+        rows = same.reshape(n_sequences, -1)
+        distinct, groups = torch.unique(rows, dim=0, return_inverse=True)
+        n_groups = distinct.shape[0]
+    n_test = max(1, round(n_groups * test_fraction))
+    n_val = max(1, round((n_groups - n_test) * val_fraction))
+    if n_groups - n_test - n_val < 1:
+        what = "sequences" if same is None else "distinct sequences"
+        raise DataError(f"too few {what} for a probe split: {n_groups} (need at least 3: train, validation and "
                         "test sequences are kept apart); analyse more sequences")
-    perm = torch.randperm(n_sequences, generator=torch.Generator().manual_seed(seed))
-    return SequenceSplit(train=perm[n_test + n_val:].sort().values, val=perm[n_test:n_test + n_val].sort().values,
-                         test=perm[:n_test].sort().values)
+    perm = torch.randperm(n_groups, generator=torch.Generator().manual_seed(seed))
+    part = torch.empty(n_groups, dtype=torch.long)
+    part[perm[:n_test]], part[perm[n_test:n_test + n_val]], part[perm[n_test + n_val:]] = 0, 1, 2
+    part = part[groups.cpu()]
+    test, val, train = (torch.nonzero(part == k).flatten() for k in range(3))
+    return SequenceSplit(train=train, val=val, test=test)
 
 
 # ---------------------------------------------------------------------------------------------- targets

@@ -94,6 +94,9 @@ HOLDOUT_RANGE = (1e-4, 0.45)
 MAX_LEN = 512
 # Splits are drawn and held in memory whole (up to ~1 KB a problem at MAX_LEN); the papers' largest is 1M.
 MAX_SIZE = 10_000_000
+# An evaluation split of n problems at share h of the problem space takes about n / h draws (~1.5 us each):
+# this many is a few minutes, where the extremes the ranges above allow together (1e7 at 1e-4) took days.
+MAX_DRAWS = 200_000_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +141,10 @@ class TaskOptions:
                     f"got {value}")
         low, high = HOLDOUT_RANGE
         require(low <= self.holdout <= high, f"{t}.holdout must lie in [{low}, {high}], got {self.holdout}")
+        for name in ("validation_size", "test_size"):
+            draws = getattr(self, name) / self.holdout
+            require(draws <= MAX_DRAWS, f"{t}.{name} / holdout = {draws:.3g} draws to fill the split, past "
+                    f"{MAX_DRAWS:.0e} (minutes of drawing); raise holdout or lower {name}")
         require(0 <= self.data_seed < 2**64, f"{t}.data_seed must lie in [0, 2^64), got {self.data_seed}")
 
 

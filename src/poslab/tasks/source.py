@@ -31,6 +31,7 @@ from poslab.tasks.tokenizer import CharTokenizer
 
 # Separate random streams; the numbers only have to differ.
 STREAMS = {"train": 0, "pool": 1, "order": 2, "validation": 3, "test": 4, "test_long": 5}
+COORDINATES = 3  # the most a stream is keyed by: (data_seed, seed, step)
 BUCKETS = {"train": 0, "validation": 1, "test": 2}
 MAX_CHUNK = 1 << 16  # problems drawn at once when filling a split; bounds memory
 MAX_EXAMPLES = 100_000  # examples() returns problems to read; more would only cost memory (`tasks show -n`)
@@ -45,6 +46,17 @@ class Problems(NamedTuple):
 
     def __len__(self) -> int:
         return len(self.prompt.lens)
+
+
+def stream_rng(stream: str, *coordinates: int) -> np.random.Generator:
+    """The generator of one of STREAMS at its coordinates (seeds, a step, an epoch: each in [0, 2^64)).
+
+    numpy's seed lists pad a shorter list with zero words and split an int past 2^32 into several words, so
+    [data_seed, 3] and [data_seed, 3, 0, 0] seed one stream (validation and the first training batch of seed
+    3). Every key here is eight 32-bit words, the stream's number first, so distinct keys are distinct streams.
+    """
+    values = (STREAMS[stream], *coordinates, *(0,) * (COORDINATES - len(coordinates)))
+    return np.random.default_rng([word for value in values for word in (value & 0xFFFFFFFF, value >> 32)])
 
 
 def problem_hash(prompt: Ragged, salt: int) -> np.ndarray:
@@ -161,7 +173,7 @@ class TaskSource:
         if split not in self._sets:
             o = self.options
             size = o.validation_size if split == "validation" else o.test_size
-            rng = np.random.default_rng([o.data_seed, STREAMS[split]])
+            rng = stream_rng(split, o.data_seed)
             lengths = self._lengths["test_long" if split == "test_long" else "train"]
             self._sets[split] = self._draw(rng, size, lengths, BUCKETS.get(split), split)
         return self._sets[split]
@@ -175,7 +187,7 @@ class TaskSource:
     def _order(self, epoch: int) -> np.ndarray:
         """The order in which epoch `epoch` visits the training pool; the last two are kept."""
         if epoch not in self._orders:
-            rng = np.random.default_rng([self.seed, STREAMS["order"], epoch])
+            rng = stream_rng("order", self.seed, epoch)
             self._orders = {e: o for e, o in self._orders.items() if e == epoch - 1}
             self._orders[epoch] = rng.permutation(self.options.train_size)
         return self._orders[epoch]
@@ -183,10 +195,10 @@ class TaskSource:
     def _train_problems(self, step: int, batch_size: int) -> Problems:
         o = self.options
         if o.train_size is None:
-            rng = np.random.default_rng([o.data_seed, self.seed, STREAMS["train"], step])
+            rng = stream_rng("train", o.data_seed, self.seed, step)
             return self._draw(rng, batch_size, self._lengths["train"], BUCKETS["train"], "train")
         if "train" not in self._sets:
-            rng = np.random.default_rng([o.data_seed, STREAMS["pool"]])
+            rng = stream_rng("pool", o.data_seed)
             self._sets["train"] = self._draw(rng, o.train_size, self._lengths["train"], BUCKETS["train"], "train")
         index = np.arange(step * batch_size, (step + 1) * batch_size)
         epoch, position = np.divmod(index, o.train_size)

@@ -4,7 +4,7 @@ A run config has four sections::
 
     seed: 0
     model: {arch: decoder, vocab_size: null, d_model: 128, ...}   # ModelConfig (or DSTGConfig) fields
-    data:  {kind: task, task: indirect_indexing, ...}              # kind + the source builder's keywords
+    data:  {kind: task, name: indirect_indexing, ...}              # kind + the source builder's keywords
     train: {steps: 2000, batch_size: 64, lr: 3.0e-4, ...}          # TrainConfig below
 
 ``model.vocab_size`` null (or absent) is taken from the data source, so a config never repeats the
@@ -148,6 +148,8 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         lookup("data kind", self.kind, SOURCES)
+        require("seed" not in self.options, "data.seed is not an option: the run's top-level 'seed' seeds its "
+                "data (a task's problems have their own data_seed)")
 
     def build(self, seed: int) -> BatchSource:
         """The batch source; its builder validates the options (and names unknown ones)."""
