@@ -1,16 +1,21 @@
 """Fused PoPE flash attention (Triton) against RoPE through SDPA flash and PoPE materialised to 2d + SDPA.
 
-On a CUDA GPU, for each head dim and length, on the same bf16 inputs, three paths:
-  rope    RoPE (rotate-half, cos/sin tables cached as a model caches them) + SDPA on its flash backend
+On a CUDA GPU, for each head dim and length, on the same bf16 inputs, four paths:
+  rope    RoPE (rotate-half in fp32, cos/sin tables cached, as poslab's RoPE layer does it) + SDPA on its
+          flash backend: what a model with RoPE runs
+  attn    SDPA flash alone on q, k, v (no positional transform): the attention inside rope, without the
+          rotation's elementwise passes, which dominate rope's time at short lengths
   pope2d  poslab.functional.pope_polar to 2d-wide q/k, v zero-padded to 2d (SDPA's fused kernels need one
           head dim), SDPA on flash or memory-efficient, output sliced back to d: what the authors ran
   fused   poslab.kernels.pope_flash.pope_flash_attention: polar transform inside the kernel
 Each gets forward and forward+backward time (median of triton.testing.do_bench), TFLOP/s and the peak
-memory of one forward+backward above the inputs. PoPE gradients include d(delta). FLOPs follow the
-FlashAttention-2 convention (backward = 2.5x forward, recomputation not counted): RoPE forward 4 b h n^2 d,
-PoPE forward 6 b h n^2 d (q.k is 2d wide); causal halves both. Printed ratios: fused/rope and
-fused/pope2d. Issue 7's targets on H100/H200: fused forward+backward <= 1.5x rope at n >= 4k, peak
-memory <= 1.1x rope, faster than pope2d. Without CUDA (or Triton) it prints one line and exits 0.
+memory of one forward+backward above the inputs. PoPE gradients include d(delta). FLOPs count the matmuls
+as FlashAttention-2 does, the backward's recomputation of the scores included: RoPE 4 b h n^2 d forward and
+10 backward (2.5x), PoPE 6 forward and 16 backward (q.k, dq and dk are 2d wide); causal halves all. Printed
+ratios: fused/rope, fused/attn and fused/pope2d. Issue 7's targets on H100/H200: fused forward+backward
+<= 1.5x rope at n >= 4k, peak memory <= 1.1x rope, faster than pope2d (the matmuls alone make PoPE's
+forward+backward 22/14 = 1.57x attention's at equal efficiency). Without CUDA (or Triton) it prints one
+line and exits 0.
 
     python benchmarks/pope_kernel.py [--n 1024 2048 4096 8192 16384] [--head-dims 64 128]
                                      [--tokens 16384] [--d-model 2048] [--bidirectional]
@@ -47,6 +52,11 @@ def rope_attention(q, k, v, cos, sin, causal):
 
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         return F.scaled_dot_product_attention(rotate(q), rotate(k), v, is_causal=causal)
+
+
+def sdpa_attention(q, k, v, causal):
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
 def pope2d_attention(q, k, v, delta, causal):
@@ -105,8 +115,8 @@ def measure(fn, leaves, do):
     """(forward ms, forward+backward ms, peak MiB of one forward+backward above what is allocated now)."""
     from triton.testing import do_bench
 
-    fwd = do_bench(fn)
-    fwd_bwd = do_bench(lambda: torch.autograd.grad(fn(), leaves, do))
+    fwd = do_bench(fn, return_mode="median")
+    fwd_bwd = do_bench(lambda: torch.autograd.grad(fn(), leaves, do), return_mode="median")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -137,9 +147,9 @@ def main() -> int:
 
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"{datetime.date.today()}, bf16, causal {causal}, tokens {args.tokens}, d_model {args.d_model}")
-    print(f"{'d':>4} {'n':>6} {'b':>3} {'h':>3} | fwd ms rope/pope2d/fused | fwd+bwd ms rope/pope2d/fused | "
-          f"TFLOP/s fwd+bwd rope/pope2d/fused | peak MiB rope/pope2d/fused | fused/rope t, mem | fused/pope2d t | "
-          f"max|fused-pope2d|")
+    print(f"{'d':>4} {'n':>6} {'b':>3} {'h':>3} | fwd ms rope/attn/pope2d/fused | "
+          f"fwd+bwd ms rope/attn/pope2d/fused | TFLOP/s fwd+bwd rope/attn/pope2d/fused | "
+          f"peak MiB rope/attn/pope2d/fused | fused/rope t, mem | fused/attn t | fused/pope2d t | max|fused-pope2d|")
     configs = json.load(open(args.configs)) if args.configs else {}
     if configs:
         print(f"# launch configurations: {configs}")
@@ -154,6 +164,7 @@ def main() -> int:
             cos, sin = rope_tables(n, d, dev)
             paths = {
                 "rope": (lambda: rope_attention(q, k, v, cos, sin, causal), (q, k, v)),
+                "attn": (lambda: sdpa_attention(q, k, v, causal), (q, k, v)),
                 "pope2d": (lambda: pope2d_attention(q, k, v, delta, causal), (q, k, v, delta)),
                 "fused": (lambda: pope_flash_attention(q, k, v, delta, causal=causal), (q, k, v, delta)),
             }
@@ -168,14 +179,15 @@ def main() -> int:
                     res[name] = (math.nan, math.nan, math.nan)
                 torch.cuda.empty_cache()
             half = 0.5 if causal else 1.0
-            flops = {"rope": 4 * b * h * n * n * d * half * 3.5, "pope2d": 6 * b * h * n * n * d * half * 3.5}
-            flops["fused"] = flops["pope2d"]
+            flops = {"rope": 14 * b * h * n * n * d * half, "pope2d": 22 * b * h * n * n * d * half}
+            flops["attn"], flops["fused"] = flops["rope"], flops["pope2d"]
             tflops = {name: flops[name] / (res[name][1] * 1e-3) / 1e12 for name in res}
-            r, p, f = res["rope"], res["pope2d"], res["fused"]
-            print(f"{d:>4} {n:>6} {b:>3} {h:>3} | {r[0]:7.3f} {p[0]:7.3f} {f[0]:7.3f} | "
-                  f"{r[1]:7.3f} {p[1]:7.3f} {f[1]:7.3f} | {tflops['rope']:6.1f} {tflops['pope2d']:6.1f} "
-                  f"{tflops['fused']:6.1f} | {r[2]:7.0f} {p[2]:7.0f} {f[2]:7.0f} | {f[1] / r[1]:5.2f}x "
-                  f"{f[2] / r[2]:5.2f}x | {f[1] / p[1]:5.2f}x | {gap:.2e}")
+            r, a, p, f = res["rope"], res["attn"], res["pope2d"], res["fused"]
+            print(f"{d:>4} {n:>6} {b:>3} {h:>3} | {r[0]:7.3f} {a[0]:7.3f} {p[0]:7.3f} {f[0]:7.3f} | "
+                  f"{r[1]:7.3f} {a[1]:7.3f} {p[1]:7.3f} {f[1]:7.3f} | "
+                  + " ".join(f"{tflops[name]:6.1f}" for name in paths)
+                  + f" | {r[2]:7.0f} {a[2]:7.0f} {p[2]:7.0f} {f[2]:7.0f} | {f[1] / r[1]:5.2f}x {f[2] / r[2]:5.2f}x | "
+                  f"{f[1] / a[1]:5.2f}x | {f[1] / p[1]:5.2f}x | {gap:.2e}")
             if args.breakdown:
                 parts = kernel_breakdown(*paths["fused"], do)
                 print("       fused fwd+bwd by kernel, ms: "

@@ -37,7 +37,8 @@ def _at(value, i: int) -> int:
 def reference(q, k, v, delta=None, *, base=10000.0, causal=False, scale=None, q_start=0, k_start=0,
               seq_lens=None):
     """Eager attention on ``poslab.functional.pope_scores`` in the inputs' dtype (use fp64), with the
-    kernel's documented padding rule: a query past the last valid key, or one that sees no key, is zero."""
+    kernel's documented padding rule: with seq_lens a query past the last valid key is zero, and so, with or
+    without, is one that sees no key."""
     b, _, nq, d = q.shape
     nk = k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -50,7 +51,9 @@ def reference(q, k, v, delta=None, *, base=10000.0, causal=False, scale=None, q_
         ok = (torch.arange(nk) < n_valid)[None, :].expand(nq, nk)
         if causal:
             ok = ok & (s[None, :] <= t[:, None])
-        live = ok.any(-1) & (t < _at(k_start, i) + n_valid)
+        live = ok.any(-1)
+        if seq_lens is not None:
+            live = live & (t < _at(k_start, i) + n_valid)
         a = a.masked_fill(~ok, float("-inf")).masked_fill(~live[:, None], 0.0)
         rows.append((a.softmax(-1) @ v[i : i + 1]).masked_fill(~live[:, None], 0.0))
     return torch.cat(rows)
@@ -100,6 +103,13 @@ CASES = {
                                 seq_lens=torch.tensor([40, 23])),
     "bidirectional-offset-cross": dict(causal=False, nq=16, nk=31, q_start=7, k_start=3, scale=0.3),
     "causal-positions-near-1e6": dict(causal=True, nq=23, q_start=10**6 - 9, k_start=10**6 - 9, base=500.0),
+    # starts at opposite ends of the accepted range: their difference passes 2^29 (once 2^31, in int32)
+    "causal-queries-after-keys-far-apart": dict(causal=True, nq=9, nk=12, q_start=2**29 - 20,
+                                                k_start=-(2**29 - 1), base=500.0),
+    "causal-queries-before-keys-far-apart": dict(causal=True, nq=9, nk=12, q_start=-(2**29 - 1),
+                                                 k_start=2**29 - 20, base=500.0),
+    "bidirectional-queries-after-keys-far-apart": dict(causal=False, nq=9, nk=12, q_start=2**29 - 20,
+                                                       k_start=-(2**29 - 1), base=500.0),
     "causal-d128": dict(causal=True, b=1, h=1, nq=21, d=128),
     "fp16-causal": dict(causal=True, nq=26, dtype=torch.float16, tol=5e-3),
     "causal-padded-heads-interleaved": dict(causal=True, nq=23, seq_lens=torch.tensor([23, 14]), interleaved=True),
@@ -137,7 +147,7 @@ def check_output_depends_on_relative_positions_only(attention):
     q, k, v, delta = _inputs(1, 1, 20, 20, 16, True, seed=5)
 
     @settings(max_examples=6, deadline=None, database=None)
-    @given(shift=st.integers(min_value=0, max_value=2**29), causal=st.booleans())
+    @given(shift=st.integers(min_value=0, max_value=2**29 - 20), causal=st.booleans())
     def shifted_equals_unshifted(shift, causal):
         at_zero = attention(q, k, v, delta, causal=causal)
         shifted = attention(q, k, v, delta, causal=causal, q_start=shift, k_start=shift)
@@ -236,6 +246,8 @@ def check_bad_inputs_raise_config_errors(attention):
         attention(q, k, v, seq_lens=torch.tensor([9]))
     with pytest.raises(ConfigError, match="q_start"):
         attention(q, k, v, q_start=torch.tensor([1.5]))
+    with pytest.raises(ConfigError, match=r"k_start must stay below 2\^29 in magnitude"):
+        attention(q, k, v, q_start=2**29 - 1, k_start=-(2**29))
     with pytest.raises(ConfigError, match="one dtype"):
         attention(q, k.double(), v)
     with pytest.raises(ConfigError, match="seq_lens must be an int or an integer tensor"):
@@ -255,6 +267,35 @@ def check_bad_inputs_raise_config_errors(attention):
             attention(q, k, v)
     finally:
         module.ROW_SPAN_LIMIT = limit
+
+
+@_check
+def check_non_finite_padding_stays_in_padding(attention):
+    """Padding rows may hold anything (NaN from an upstream layer's padding): no real row, and not the delta
+    every row shares, may see it, in either backward. The dk/dv kernel once read padded keys' magnitudes and
+    values into d(delta) (and, atomic, into dq) and padding queries into real keys' gradients."""
+    import poslab.kernels.pope_flash as module
+
+    mode = module._backward_mode
+    try:
+        for backward in ("split", "atomic"):
+            module._backward_mode = lambda d, backward=backward: backward
+            for causal in (True, False):
+                q, k, v, delta = _inputs(2, 2, 21, 21, 16, True, seed=12)
+                for x in (q, k, v):
+                    x[1, :, 9:] = float("nan")
+                q, k, v, delta = (x.requires_grad_() for x in (q, k, v, delta))
+                out = attention(q, k, v, delta, causal=causal, seq_lens=torch.tensor([21, 9]))
+                grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(13))
+                grad[1, :, 9:] = 0.0
+                out.backward(grad)
+                for name, x in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+                    real = torch.cat([x[0].flatten(), x[1, :, :9].flatten()])
+                    assert torch.isfinite(real).all(), f"{backward} backward, causal={causal}: {name} of real rows"
+                assert torch.isfinite(delta.grad).all(), f"{backward} backward, causal={causal}: d(delta)"
+                assert (k.grad[1, :, 9:] == 0).all() and (v.grad[1, :, 9:] == 0).all()
+    finally:
+        module._backward_mode = mode
 
 
 @_check
@@ -344,6 +385,22 @@ def test_triton_available_follows_cuda_or_interpreter(monkeypatch):
     assert triton_available() == torch.cuda.is_available()
 
 
+def test_inputs_past_the_launch_limits_are_left_to_sdpa(monkeypatch):
+    """What pope_flash_attention would refuse (the grid, 32-bit row offsets, start positions) is not offered
+    to it: an 'auto' model falls back to SDPA there instead of raising."""
+    pytest.importorskip("triton")
+    from poslab.kernels import fused_pope_supports
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    small = torch.zeros(2, 2, 8, 16)
+    assert fused_pope_supports(small, small, small, starts=(2**29 - 1, -(2**29 - 1)))
+    assert not fused_pope_supports(small, starts=(0, 2**29))
+    wide = torch.zeros(65536, 1, 1, 16)
+    assert not fused_pope_supports(wide, wide, wide)
+    long = torch.empty_strided((1, 1, 2**12, 16), (2**32, 2**32, 2**20, 1), device="meta")
+    assert not fused_pope_supports(small, long, long)  # a slice spanning 2^31 elements by its strides
+
+
 def test_deterministic_algorithms_get_the_split_backward(monkeypatch):
     """Atomics add dq's shares in a varying order: a run that asks PyTorch for determinism gets the split
     backward whatever the launch table prefers."""
@@ -426,6 +483,8 @@ def test_cuda_matches_reference(dtype, tol, d, backward, monkeypatch):
              seq_lens=torch.tensor([333, 200], device="cuda"))
     _compare(pope_flash_attention, dtype=dtype, tol=tol, device="cuda", b=1, h=2, nq=7, nk=300, d=d,
              causal=True, q_start=293)
+    _compare(pope_flash_attention, dtype=dtype, tol=tol, device="cuda", b=3, h=2, nq=211, d=d, causal=False,
+             seq_lens=torch.tensor([211, 1, 0], device="cuda"))
 
 
 if __name__ == "__main__":  # the child process of interpreter_report

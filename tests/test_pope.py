@@ -236,7 +236,7 @@ def test_ablation_magnitudes_survive_from_pretrained_and_leave_the_fused_kernel(
     x = torch.randint(0, 40, (1, 9))
     torch.testing.assert_close(loaded(x).logits, model(x).logits)
 
-    monkeypatch.setattr(kernels, "fused_pope_supports", lambda q, *kv: True)
+    monkeypatch.setattr(kernels, "fused_pope_supports", lambda q, *kv, starts=(): True)
     monkeypatch.setattr(flash, "pope_flash_attention", lambda *args, **kwargs: "fused")
     cuda_like, pos = SimpleNamespace(is_cuda=True), torch.arange(9)[None]
     for magnitude, expected in [("softplus", "fused"), ("relu", None), ("identity", None)]:

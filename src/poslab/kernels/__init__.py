@@ -28,12 +28,14 @@ def triton_available() -> bool:
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def fused_pope_supports(q: torch.Tensor, *kv: torch.Tensor) -> bool:
+def fused_pope_supports(q: torch.Tensor, *kv: torch.Tensor, starts: tuple[int, ...] = ()) -> bool:
     """Whether the fused PoPE kernel can run on this q here, and on k and v when given: they must have q's
-    dtype and head dim (pope_attention takes a v of another width, which only SDPA serves)."""
+    dtype and head dim (pope_attention takes a v of another width, which only SDPA serves), and the
+    kernel's launch limits must hold for them and for the start positions ``starts``."""
     if not triton_available() or not (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return False
-    from poslab.kernels.pope_flash import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
+    from poslab.kernels.pope_flash import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, launchable
 
     return (q.shape[-1] in SUPPORTED_HEAD_DIMS and q.dtype in SUPPORTED_DTYPES
-            and all(x.dtype == q.dtype and x.shape[-1] == q.shape[-1] for x in kv))
+            and all(x.dtype == q.dtype and x.shape[-1] == q.shape[-1] for x in kv)
+            and launchable(q, *kv, starts=starts))

@@ -32,9 +32,11 @@ scheme): fewer matmuls, non-deterministic summation order, so deterministic runs
 Cost. The keys' Cartesian form is rebuilt for every query tile that reads them (and the queries' for
 every key tile in the dk/dv pass): O(n^2 d / BLOCK) elementwise work on top of FlashAttention's, the
 price of never storing q~/k~. Measured on an H200 with the split backward (BENCHMARKS.md, 2026-11-30):
-the forward pass is faster than RoPE through SDPA up to n = 2k, the forward+backward 1.0-2.5x RoPE's time
-(d = 64) and 1.2-3.5x (d = 128) from n = 1k to 16k, at 0.6x RoPE's peak memory. The atomic backward is
-correct there too; at d = 64 its one kernel took 11-16% less time than the split pass's two.
+the forward+backward took 1.0-2.5x the time of RoPE through SDPA (d = 64) and 1.2-3.5x (d = 128) from
+n = 1k to 16k, at 0.6x RoPE's peak memory; RoPE's time there includes its fp32 rotation, most of it at short
+lengths: per unit of attention work the kernel costs about 3x (d = 64) and 4.4x (d = 128) SDPA's flash
+kernel, where the matmul count alone gives 1.57x. The atomic backward is correct there too; at d = 64 its
+one kernel took 11-16% less time than the split pass's two.
 """
 from __future__ import annotations
 
@@ -339,16 +341,18 @@ def _bwd_dq_kernel(Q, MQ, MK, V, O, DO, DQ, LSE, DSUM, TURNS, TURNS32, DELTA, QS
 
 @triton.jit
 def _dkdv_inner(dv, dkx, dky, kx, ky, v, MQ_base, DO_base, LSE_base, DSUM_base, DQ_base, sdon, c_row, s_row,
-                turns, offs_n, q_start, k_start, k_len, NQ, qk_scale, lo, hi,
+                turns, offs_n, q_start, k_start, k_len, q_len, qk_scale, lo, hi,
                 D: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                 ATOMIC_DQ: tl.constexpr, PRECISION: tl.constexpr):
+    # Padding queries (index >= q_len) are read as zeros in the masked tiles, the only ones that hold them:
+    # whatever their rows hold (NaN included) never reaches a real key's gradient.
     offs_d = tl.arange(0, D)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         muT_ptrs = MQ_base + offs_m[None, :] * D + offs_d[:, None]
         do_ptrs = DO_base + offs_m[:, None] * sdon + offs_d[None, :]
         if MASKED:
-            row_in = offs_m < NQ
+            row_in = offs_m < q_len
             muT = tl.load(muT_ptrs, mask=row_in[None, :], other=0.0)
             do = tl.load(do_ptrs, mask=row_in[:, None], other=0.0)
             lse = tl.load(LSE_base + offs_m, mask=row_in, other=float("inf"))
@@ -411,6 +415,9 @@ def _bwd_dkdv_kernel(K, MQ, MK, V, DO, DK, DV, DQACC, DDELTA, LSE, DSUM, TURNS, 
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     key_in = offs_n < NK
+    # Keys past the valid ones are read as zeros: whatever padding holds (NaN included) gets zero dk and dv
+    # and adds nothing to d(delta), a parameter every row shares, nor to the atomic dq of real queries.
+    key_real = offs_n < k_len
     turns = tl.load(TURNS + offs_d)  # theta / 2 pi, fp64
     turns_hi = tl.load(TURNS32 + offs_d)  # the same in fp32, split in two
     turns_lo = tl.load(TURNS32 + D + offs_d)
@@ -420,8 +427,8 @@ def _bwd_dkdv_kernel(K, MQ, MK, V, DO, DK, DV, DQACC, DDELTA, LSE, DSUM, TURNS, 
         bias = tl.zeros([D], dtype=tl.float32)
 
     mu_ptrs = MK + pid_bh * NK * D + offs_n[:, None] * D + offs_d[None, :]
-    mu = tl.load(mu_ptrs, mask=key_in[:, None], other=0.0)
-    v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svn + offs_d[None, :], mask=key_in[:, None], other=0.0)
+    mu = tl.load(mu_ptrs, mask=key_real[:, None], other=0.0)
+    v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svn + offs_d[None, :], mask=key_real[:, None], other=0.0)
     c_row, s_row = _row_phases(tl.arange(0, BLOCK_N)[:, None], turns_hi[None, :], turns_lo[None, :])
     c0, s0 = _start_phases(k_start + start_n, turns, bias)
     c, s = _add_angles(c_row, s_row, c0[None, :], s0[None, :])
@@ -440,13 +447,13 @@ def _bwd_dkdv_kernel(K, MQ, MK, V, DO, DK, DV, DQACC, DDELTA, LSE, DSUM, TURNS, 
     c_row, s_row = _row_phases(tl.arange(0, BLOCK_M)[None, :], turns_hi[:, None], turns_lo[:, None])  # queries, (D, M)
     lo, mid, full, hi = _query_range(start_n, q_start, k_start, k_len, q_len, BLOCK_M, BLOCK_N, CAUSAL)
     dv, dkx, dky = _dkdv_inner(dv, dkx, dky, kx, ky, v, MQ_base, DO_base, LSE_base, DSUM_base, DQ_base, sdon, c_row,
-                               s_row, turns, offs_n, q_start, k_start, k_len, NQ, qk_scale, lo, mid,
+                               s_row, turns, offs_n, q_start, k_start, k_len, q_len, qk_scale, lo, mid,
                                D, BLOCK_M, CAUSAL, True, ATOMIC_DQ, PRECISION)
     dv, dkx, dky = _dkdv_inner(dv, dkx, dky, kx, ky, v, MQ_base, DO_base, LSE_base, DSUM_base, DQ_base, sdon, c_row,
-                               s_row, turns, offs_n, q_start, k_start, k_len, NQ, qk_scale, mid, full,
+                               s_row, turns, offs_n, q_start, k_start, k_len, q_len, qk_scale, mid, full,
                                D, BLOCK_M, CAUSAL, False, ATOMIC_DQ, PRECISION)
     dv, dkx, dky = _dkdv_inner(dv, dkx, dky, kx, ky, v, MQ_base, DO_base, LSE_base, DSUM_base, DQ_base, sdon, c_row,
-                               s_row, turns, offs_n, q_start, k_start, k_len, NQ, qk_scale, full, hi,
+                               s_row, turns, offs_n, q_start, k_start, k_len, q_len, qk_scale, full, hi,
                                D, BLOCK_M, CAUSAL, True, ATOMIC_DQ, PRECISION)
 
     # q~ carried scale * log2(e); d k~ needs scale alone. The keys' cos/sin and magnitudes are recomputed
@@ -455,14 +462,14 @@ def _bwd_dkdv_kernel(K, MQ, MK, V, DO, DK, DV, DQACC, DDELTA, LSE, DSUM, TURNS, 
     c, s = _add_angles(c_row, s_row, c0[None, :], s0[None, :])
     dkx = dkx * 0.6931471805599453
     dky = dky * 0.6931471805599453
-    k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skn + offs_d[None, :], mask=key_in[:, None], other=0.0)
+    k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skn + offs_d[None, :], mask=key_real[:, None], other=0.0)
     dk = (dkx * c + dky * s) * tl.sigmoid(k.to(tl.float32))
     tl.store(DK + b * sdkb + h * sdkh + offs_n[:, None] * sdkn + offs_d[None, :], dk.to(DK.dtype.element_ty),
              mask=key_in[:, None])
     tl.store(DV + b * sdvb + h * sdvh + offs_n[:, None] * sdvn + offs_d[None, :], dv.to(DV.dtype.element_ty),
              mask=key_in[:, None])
     if HAS_DELTA:
-        mu = tl.load(mu_ptrs, mask=key_in[:, None], other=0.0).to(tl.float32)
+        mu = tl.load(mu_ptrs, mask=key_real[:, None], other=0.0).to(tl.float32)
         dphase = mu * (dky * c - dkx * s)  # zero on keys outside the tile: their dkx, dky are zero
         tl.store(DDELTA + (pid_bh * tl.num_programs(0) + pid_n) * D + offs_d, tl.sum(dphase, 0))
 
@@ -637,21 +644,34 @@ class _PopeFlash(torch.autograd.Function):
 
 
 # The kernels index batch and head in int64 but rows within one (batch, head) slice in int32, and CUDA allows
-# 65,535 programs on the grid axis that holds batch x heads.
+# 65,535 programs on the grid axis that holds batch x heads. Start positions stay below 2^29 in magnitude so
+# that the kernels' int32 differences of two starts plus a length cannot overflow.
 ROW_SPAN_LIMIT = 2**31
 GRID_Y_LIMIT = 65535
+POSITION_LIMIT = 2**29
+
+
+def _span(x: torch.Tensor) -> int:
+    """Elements one (batch, head) slice of x (batch, heads, n, d) spans, by its strides."""
+    return (x.shape[2] - 1) * x.stride(2) + x.shape[3]
+
+
+def launchable(q: torch.Tensor, *kv: torch.Tensor, starts: tuple[int, ...] = ()) -> bool:
+    """Whether the kernels' launch limits hold (grid, 32-bit row offsets, start positions): what
+    ``pope_flash_attention`` refuses otherwise, for callers that fall back to SDPA instead."""
+    return (q.shape[0] * q.shape[1] <= GRID_Y_LIMIT and all(_span(x) < ROW_SPAN_LIMIT for x in (q, *kv))
+            and all(abs(start) < POSITION_LIMIT for start in starts))
 
 
 def _per_batch(value, b: int, name: str, device) -> torch.Tensor:
-    """An int or a (batch,) integer tensor -> (batch,) int32 on device. Positions stay below 2^30 so that
-    the kernels' int32 index arithmetic cannot overflow (a tensor costs one host sync to check)."""
+    """An int or a (batch,) integer tensor -> (batch,) int32 on device (a tensor costs one host sync to check)."""
     if isinstance(value, torch.Tensor):
         require(value.shape == (b,) and value.dtype != torch.bool and not value.is_floating_point()
                 and not value.is_complex(),
                 f"{name} must be an int or an integer tensor of shape ({b},), got {value.dtype} {tuple(value.shape)}")
-        require(bool((value.abs() < 2**30).all()), f"{name} must stay below 2^30 in magnitude")
+        require(bool((value.abs() < POSITION_LIMIT).all()), f"{name} must stay below 2^29 in magnitude")
         return value.to(device=device, dtype=torch.int32)
-    require(abs(int(value)) < 2**30, f"{name} must stay below 2^30 in magnitude, got {value}")
+    require(abs(int(value)) < POSITION_LIMIT, f"{name} must stay below 2^29 in magnitude, got {value}")
     return torch.full((b,), int(value), device=device, dtype=torch.int32)
 
 
@@ -687,7 +707,7 @@ def pope_flash_attention(
     require(math.isfinite(base) and base > 1, f"base must be a finite number > 1, got {base}")
     require(b * h <= GRID_Y_LIMIT, f"batch x heads = {b * h} passes the {GRID_Y_LIMIT} programs CUDA allows on "
             "a grid axis; split the batch")
-    span = max((x.shape[2] - 1) * x.stride(2) + d for x in (q, k, v))
+    span = max(_span(x) for x in (q, k, v))
     require(span < ROW_SPAN_LIMIT, f"one (batch, head) slice of q, k or v spans {span} elements, past the fused "
             "kernel's 32-bit row offsets; make q, k, v contiguous as (batch, heads, n, d), shorten the sequence "
             "or use attn_backend 'sdpa'")

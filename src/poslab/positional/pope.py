@@ -102,6 +102,9 @@ class PolarLayer(LayerPositional):
         if (self.magnitude != "softplus" or not q.is_cuda or not fused_pope_supports(q)
                 or not (_is_range(q_pos) and _is_range(k_pos))):
             return None
+        starts = int(q_pos[0, 0]), int(k_pos[0, 0])
+        if not fused_pope_supports(q, k, v, starts=starts):  # past the kernel's launch limits: SDPA serves it
+            return None
         from poslab.kernels.pope_flash import pope_flash_attention
 
         seq_lens = None
@@ -112,7 +115,7 @@ class PolarLayer(LayerPositional):
                 return None
         return pope_flash_attention(
             q, k, v, self.delta, base=self.base, causal=causal, scale=scale,
-            q_start=int(q_pos[0, 0]), k_start=int(k_pos[0, 0]), seq_lens=seq_lens,
+            q_start=starts[0], k_start=starts[1], seq_lens=seq_lens,
         )
 
 
