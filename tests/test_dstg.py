@@ -413,7 +413,7 @@ def test_matched_ffn_width_is_the_closest_by_direct_search():
             assert closest == h and match_ffn_hidden(values, target) == h
 
 
-@pytest.mark.parametrize("scale", ["quick", "smoke"])
+@pytest.mark.parametrize("scale", ["quick", "smoke", "paper"])
 def test_recipe_model_sections_apply_widths_and_stay_parameter_matched(scale):
     from poslab.experiments import dstg as recipe
 
@@ -425,6 +425,10 @@ def test_recipe_model_sections_apply_widths_and_stay_parameter_matched(scale):
     for name, values in models.items():
         own = spec.get("dstg_overrides" if name == "dstg" else "baseline_overrides", {})
         assert {**spec["model_overrides"], **own}.items() <= values.items()
+    if scale == "paper":  # the recipe trains the width of `model: paper/dstg`, not one of its own
+        from poslab.models.dstg import ready_config
+
+        assert models["dstg"]["ffn_hidden"] == ready_config("dstg", "paper")["ffn_hidden"] == 2432
 
 
 def test_random_offset_takes_every_value_from_zero_to_the_maximum():

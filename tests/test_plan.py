@@ -88,6 +88,7 @@ def test_paper_plan_from_the_command_line_writes_nothing(tmp_path, capsys):
     assert rows["extrapolation/runs/pope"][3] == "<= 123.6M" and rows["extrapolation/runs/pope"][6].startswith("<= ")
     assert "<=: a text run whose tokenizer is not trained yet is sized at its vocabulary cap" in text
     assert not rows["adjacency/runs/nope-addition-s0"][6].startswith("<=")  # a task's vocabulary is known
+    assert not rows["dstg/runs/dstg"][3].startswith("<=")  # so is a ready tokenizer's (bert-base-uncased)
     assert rows["indirect-indexing/runs/rope-half-s0"][2] == "decoder, rope (fraction=0.5), 8 x 512"
     assert 4e16 < float(rows["indirect-indexing/runs/rope-s0"][6]) < 6e16
     assert all(cells[-1] == "not started" for cells in rows.values())
@@ -173,7 +174,7 @@ def test_every_paper_scale_training_fits_8_gpus_of_80_gib(tmp_path, monkeypatch)
     checked = 0
     for name, (where, _) in RECIPES.items():
         for config, _ in importlib.import_module(where.split(":")[0]).runs("paper", tmp_path / name).values():
-            vocab, sequence = planning.data_shape(config["data"], config.get("seed", 0))
+            vocab, sequence, _ = planning.data_shape(config["data"], config.get("seed", 0))
             cfg = RunConfig.from_dict({**config, "model": {**config["model"], "vocab_size": vocab}})
             memory.check_memory(cfg, parallel, sequence)
             checked += 1

@@ -102,7 +102,7 @@ SCALES = {
     # 512 sequences (262k tokens) for the probes: a ridge fit on 768 features needs no more, and DSTG's
     # captures of 2,048 took ~45 GB of host memory.
     "paper": {"models": "paper", "data": "mlm_paper.yaml", "documents": None, "tokenizer_documents": None,
-              "data_overrides": {}, "model_overrides": {"max_seq_len": 512},
+              "data_overrides": {}, "model_overrides": {"max_seq_len": 512}, "ffn_multiple": 64,
               "train": {"steps": 84000, "batch_size": 512, "grad_accum": 4, "lr": 1e-4, "min_lr": 1e-5,
                         "warmup_steps": 2000, "betas": [0.9, 0.95], "weight_decay": 0.01, "grad_clip": 1.0,
                         "checkpoint_every": 1000},
@@ -124,13 +124,16 @@ def data_section(scale: dict, out: Path) -> dict:
 
 def model_sections(scale: dict) -> dict[str, dict]:
     """The four ready configs with the scale's overrides (``model_overrides`` for all, widths through
-    ``dstg_overrides`` / ``baseline_overrides``); DSTG's FFN re-matched to RoPE-NeoBERT's count."""
+    ``dstg_overrides`` / ``baseline_overrides``); DSTG's FFN re-matched to RoPE-NeoBERT's count, rounded up
+    to a multiple of ``ffn_multiple`` where the scale gives one (as the paper's ready config is)."""
     models = {}
     for name in MODELS:
         own = scale.get("dstg_overrides" if name == "dstg" else "baseline_overrides", {})
         models[name] = {**ready_config(name, scale["models"]), **scale["model_overrides"], **own}
     if scale["model_overrides"] or scale.get("dstg_overrides") or scale.get("baseline_overrides"):
-        models["dstg"]["ffn_hidden"] = match_ffn_hidden(models["dstg"], count_parameters(models["rope_neobert"]))
+        hidden = match_ffn_hidden(models["dstg"], count_parameters(models["rope_neobert"]))
+        multiple = scale.get("ffn_multiple", 1)
+        models["dstg"]["ffn_hidden"] = -(-hidden // multiple) * multiple
     return models
 
 

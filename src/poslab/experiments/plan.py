@@ -54,8 +54,7 @@ def plan(names: list[str], scale: str, out: str | Path) -> list[Training]:
 
 
 def _training(recipes: tuple[str, ...], config: dict[str, Any], run_dir: Path, out: Path) -> Training:
-    vocab, sequence = data_shape(config["data"], config.get("seed", 0))
-    bound = config["data"].get("kind", "task") != "task"
+    vocab, sequence, bound = data_shape(config["data"], config.get("seed", 0))
     if (run_dir / "config.yaml").is_file():  # trained (or training): the vocabulary its tokenizer reached
         vocab, bound = load_config(run_dir / "config.yaml").model.vocab_size, False
     cfg = RunConfig.from_dict({**config, "model": {**config["model"], "vocab_size": vocab}})
@@ -72,20 +71,21 @@ def _training(recipes: tuple[str, ...], config: dict[str, Any], run_dir: Path, o
                     flops=step_flops * sequences, bound=bound, **_progress(cfg, run_dir, step_flops * sequences))
 
 
-def data_shape(data: dict[str, Any], seed: int) -> tuple[int, int]:
-    """(vocabulary size, tokens per sequence) without preparing anything. A task's come from its source, which
-    draws no problem until asked; a corpus's from its config, whose tokenizer size is a cap the trained
-    tokenizer reaches on a paper-scale corpus."""
+def data_shape(data: dict[str, Any], seed: int) -> tuple[int, int, bool]:
+    """(vocabulary size, tokens per sequence, whether the size is only a cap) without preparing anything. A
+    task's come from its source, which draws no problem until asked; a corpus's from its config, whose size
+    for a tokenizer still to be trained is a cap it may not reach (a ready tokenizer's, bert-base-uncased's,
+    is its size)."""
     options = {k: v for k, v in data.items() if k != "kind"}
     if data.get("kind", "task") == "task":
         from poslab.tasks import build_batch_source
 
         source = build_batch_source(seed=seed, **options)
-        return source.vocab_size, source.max_train_len
+        return source.vocab_size, source.max_train_len, False
     from poslab.data import DataConfig
 
     text = DataConfig.from_options(options)
-    return text.tokenizer.vocab_size, text.seq_len
+    return text.tokenizer.vocab_size, text.seq_len, text.tokenizer.path is None
 
 
 @functools.lru_cache(maxsize=None)

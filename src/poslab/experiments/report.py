@@ -84,8 +84,9 @@ SCALE_NOTES = {
     "quick": "Quick scale trains tiny models for minutes on a CPU: a claim that does not hold there is reported as "
              "not held, with what was tried -- those notes cite earlier searches (benchmarks/quick_search), not "
              "this run.",
-    "paper": "Paper scale trains the papers' configurations (sizes, steps, data by name): a claim that does not "
-             "hold is reported as not held.",
+    "paper": "Paper scale trains the papers' configurations where they state them (sizes, steps, data by name) "
+             "and poslab's choices where they do not (README, 'Where paper scale departs from the papers'): a claim "
+             "that does not hold is reported as not held.",
 }
 
 
