@@ -50,7 +50,11 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path):
     # A finished one-process run resumed on two ranks has no step left: it ends right after the evaluation's
     # broadcast, where rank 1 deadlocked now and then tearing gloo down (Parallel.leave_together).
     shutil.copytree(tmp_path / "single", tmp_path / "finished")
-    stores = [_store() for _ in range(6)]  # one per run: a store's keys belong to one process group
+    # A decoder whose LM head is its embedding: FSDP's full state dict gives the two names two tensors.
+    tied = tiny_config(**settings)
+    tied["model"]["tie_embeddings"] = True
+    train(RunConfig.from_dict(tied), tmp_path / "single_tied")
+    stores = [_store() for _ in range(7)]  # one per run: a store's keys belong to one process group
     # Activation checkpointing under DDP and FSDP2 (ddp, fsdp_mlm): the same weights as without, in one process.
     runs = [("ddp", tiny_config(**settings, activation_checkpointing=True), False, stores[0].port),
             ("ddp_mlm", mlm, False, stores[1].port),
@@ -58,11 +62,13 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path):
              stores[2].port),
             ("fsdp", tiny_config(**settings, fsdp=True), False, stores[3].port),
             ("fsdp", tiny_config(**settings | {"steps": 4}, fsdp=True), True, stores[4].port),
-            ("finished", tiny_config(**settings), True, stores[5].port)]
+            ("finished", tiny_config(**settings), True, stores[5].port),
+            ("fsdp_tied", {**tied, "train": {**tied["train"], "fsdp": True}}, False, stores[6].port)]
     # fork, not spawn: the workers inherit the imported modules instead of importing torch and
     # transformers again (seconds per process on two cores); the fixture set one thread before.
     mp.start_processes(_worker, args=(str(tmp_path), runs), nprocs=WORLD, start_method="fork")
     _assert_same_weights(tmp_path / "ddp", tmp_path / "single")
+    _assert_same_weights(tmp_path / "fsdp_tied", tmp_path / "single_tied")  # the tied matrix saved once
     for rank in range(WORLD):
         assert json.loads((tmp_path / f"finished.rank{rank}.json").read_text())["step"] == 3
     for name in ("ddp_mlm", "fsdp_mlm"):
@@ -82,10 +88,13 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path):
 
 
 def _assert_same_weights(run: Path, reference_run: Path) -> None:
+    """Equal up to summation order: two ranks' gradients are summed in halves, and AdamW turns a rounding
+    difference in a near-zero gradient into one of up to ~1e-5 in a weight (measured: 1.4e-5), where a wrong
+    batch or reduction moves weights by the lr, 1e-2, per step."""
     weights, reference = (load_file(r / "checkpoints/last/model.safetensors") for r in (run, reference_run))
     assert weights.keys() == reference.keys()
     for key, value in reference.items():
-        torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=1e-5, msg=f"{run.name}: {key}")
+        torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=1e-4, msg=f"{run.name}: {key}")
 
 
 def _worker_on_own_cache(rank: int, root: str, raw: dict, port: int) -> None:
@@ -148,3 +157,55 @@ def test_a_stop_asked_of_one_rank_stops_every_rank_after_the_same_step(tmp_path)
     assert all((tmp_path / f"stopped.rank{r}").exists() for r in range(WORLD))
     assert saved_step(tmp_path / "run", log=lambda _: None) == 3
     assert len(losses(tmp_path / "run")) == 3
+
+
+def _rank_failing_alone(rank: int, root: str, port: int) -> None:
+    """Rank 1 fails at the start of step 2 while rank 0 waits for it in the step's gradient all-reduce."""
+    import weakref
+
+    import poslab.cli
+    from poslab.train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(WORLD), TORCHELASTIC_USE_AGENT_STORE="True")
+    if rank == 1:
+        step_once, make = Trainer._train_step, Trainer.__init__
+
+        def failing(self, step):
+            if step == 1:
+                raise DataError("a shard this rank cannot read")
+            return step_once(self, step)
+
+        def watched(self, *args, **kwargs):  # the trainer holds DDP's reducer: freeing it is what hung
+            weakref.finalize(self, (Path(root) / "trainer freed").write_text, "").atexit = False
+            make(self, *args, **kwargs)
+
+        Trainer._train_step, Trainer.__init__ = failing, watched
+    raise SystemExit(poslab.cli.main(["train", str(Path(root) / "run.yaml"), "--out", str(Path(root) / "run")]))
+
+
+def test_a_rank_failing_alone_leaves_at_once(tmp_path, capfd):
+    """Its error's traceback held DDP's reducer: freed on leaving the CLI's handler, the process group's
+    destructor joined gloo's worker threads with the GIL held while one waited for the GIL, and the rank hung
+    (about one failure in four), so torchrun never learned of it. It now leaves by os._exit once the error is
+    printed: exit 2, the trainer never freed."""
+    import multiprocessing
+
+    import yaml
+
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(tiny_config(steps=6, checkpoint_every=2)))
+    store = _store()
+    context = multiprocessing.get_context("fork")
+    ranks = [context.Process(target=_rank_failing_alone, args=(rank, str(tmp_path), store.port)) for rank in range(WORLD)]
+    for process in ranks:
+        process.start()
+    try:
+        ranks[1].join(120)
+        assert ranks[1].exitcode == 2, f"rank 1: exit code {ranks[1].exitcode} (None: still running, hung)"
+        assert not (tmp_path / "trainer freed").exists()
+        assert "poslab: error: a shard this rank cannot read" in capfd.readouterr().err
+    finally:
+        for process in ranks:  # rank 0 waits in its all-reduce: torchrun's agent would stop it
+            process.kill()
+            process.join()

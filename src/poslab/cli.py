@@ -70,29 +70,46 @@ def _main(argv: list[str] | None) -> int:
         return int(args.func(args) or 0)
     except PoslabError as err:
         _error(str(err))
-        return 2
+        return _failed()
     except OSError as err:  # unreadable input, unwritable output: the user's to fix
         if isinstance(err, BrokenPipeError) and _stdout_closed():
             # The reader of stdout left (`poslab ... | head`): stop quietly, as Unix tools do.
             _drop_stdout()
             return CLOSED_PIPE
         _error(f"{err.strerror or err}: {err.filename or ''}".rstrip(": "))
-        return 2
+        return _failed()
     except (MemoryError, torch.cuda.OutOfMemoryError) as err:  # numpy's and CUDA's: sizes it cannot hold
         _out_of_memory(err)
-        return 2
+        return _failed()
     except RuntimeError as err:
         # torch's CPU allocator reports a failed allocation as a plain RuntimeError; anything else is a bug.
         if CPU_ALLOCATOR not in str(err):
             raise
         _out_of_memory(err)
-        return 2
+        return _failed()
     except KeyboardInterrupt as err:
         from poslab.train.parallel import launched_as_rank_zero
 
         if launched_as_rank_zero():  # under torchrun every rank stops alike: one line, not one each
             print("poslab: interrupted" + (f"; {err}" if str(err) else ""), file=sys.stderr)
         return 130
+
+
+def _failed() -> int:
+    """Exit code 2, called while the error is still being handled. Under torchrun a rank that fails alone
+    leaves at once, by os._exit, once the error is printed (the code's own clean-up, its finally blocks, has
+    already run): leaving the handler frees the error's traceback and with it DDP's reducer, whose process
+    group joins gloo's worker threads with the GIL held while a worker waits for the GIL; the rank then hung
+    (about one failure in four), torchrun never learned of it, and the other ranks waited in their collective
+    for its timeout."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe or stream: nothing more to say there
+                pass
+        os._exit(2)
+    return 2
 
 
 def _stdout_fd() -> int | None:

@@ -111,6 +111,18 @@ def set_rng_state(state: dict[str, Any], device: torch.device = torch.device("cp
         torch.cuda.set_rng_state(cuda, device)
 
 
+def _untied(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` without the later names of a tied parameter (the LM head tied to the embedding). FSDP's full
+    state dict gives each name a tensor of its own, and save_pretrained, seeing no shared storage, wrote the
+    tied matrix twice: a larger file, whose digest differed from the same weights saved by one process."""
+    first: dict[int, str] = {}
+    later = set()
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(parameter), name) != name:
+            later.add(name)
+    return {name: value for name, value in state.items() if name not in later}
+
+
 def save_checkpoint(
     path: Path,
     model: nn.Module,
@@ -140,7 +152,7 @@ def save_checkpoint(
             _rotate(tmp, path, old)
     try:
         with _no_hf_progress_bar():  # a bar per save would bury the training log
-            model.save_pretrained(tmp, state_dict=model_state)
+            model.save_pretrained(tmp, state_dict=_untied(model, model_state))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         crash_point(f"save.{path.name}.model")
