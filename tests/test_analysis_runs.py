@@ -399,7 +399,7 @@ def test_bad_input_errors(runs, tmp_path):
               r"only 'content' \(models with positional "  # the bias-only schemes in the registry, in its order
               + " or ".join(name for name, scheme in SCHEMES.items() if scheme.bias_only)
               + " add 'bias', as do cope and xpos with a block"),
-             (("probes", "--run", str(runs / "rope"), "--sequences", "2"), DataError, "too few sequences"),
+             (("probes", "--run", str(runs / "rope"), "--sequences", "2"), DataError, "too few distinct sequences"),
              (("adjacncy", "--run", str(runs / "rope")), ConfigError, "did you mean 'adjacency'"),
              (("probes", "--run", str(runs / "rope"), "--targets", "sentence_index"), ConfigError, "offers: position"),
              (("adjacency", "--run", str(runs / "rope"), "--sequences", "0"), ConfigError, "--sequences"),
