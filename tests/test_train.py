@@ -1542,6 +1542,9 @@ def test_the_memory_check_counts_what_the_loss_keeps_of_the_logits(monkeypatch):
         memory.check_memory(config, process, 64)
     monkeypatch.setattr(memory.os, "sysconf", lambda name: pages.get(name, 4 * logits // 4096))
     memory.check_memory(config, process, 64)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two torchrun processes on this node: half the memory each
+    with pytest.raises(ConfigError, match=r"GiB of cpu \(a share of the node's memory among its 2 processes\)"):
+        memory.check_memory(config, process, 64)
 
 
 def test_the_memory_check_counts_a_whole_evaluation_batch(monkeypatch):

@@ -35,19 +35,23 @@ def check_memory(config: RunConfig, parallel: Parallel, width: int) -> None:
     need = 3 * weights + buffers + max(weights, batch, evaluation)
     state = 4 * weights + buffers
     device = parallel.device
-    total = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
-             else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    if device.type == "cuda":
+        total, where = torch.cuda.get_device_properties(device).total_memory, str(device)
+    else:  # torchrun's processes on one node share its memory
+        share = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // share
+        where = "cpu" if share == 1 else f"cpu (a share of the node's memory among its {share} processes)"
     if need > total and 3 * weights + buffers + max(weights, batch) <= total:  # only the evaluation does not fit
         now = config.train.eval_batch_size or f"null, so train.batch_size's {config.train.batch_size:,}"
         raise ConfigError(f"an evaluation batch of {eval_rows:,} sequences of {width} tokens (ids; logits, a float "
                           f"copy and their log-softmax: {evaluation / 2**30:,.1f} GiB) beside the model's {count:,} "
                           f"parameters and AdamW moments needs at least {need / 2**30:,.1f} GiB per process, more "
-                          f"than the {total / 2**30:,.1f} GiB of {device}; lower train.eval_batch_size (now {now})")
+                          f"than the {total / 2**30:,.1f} GiB of {where}; lower train.eval_batch_size (now {now})")
     require(need <= total, f"the model's {count:,} parameters (weights, gradients, AdamW moments: {state / 2**30:,.1f} "
                            f"GiB) and a batch of {rows:,} sequences of {width} tokens (ids; logits, their log-softmax and "
                            f"gradient: "
                            f"{batch / 2**30:,.1f} GiB) need at least {need / 2**30:,.1f} GiB per process, more than "
-                           f"the {total / 2**30:,.1f} GiB of {device}; "
+                           f"the {total / 2**30:,.1f} GiB of {where}; "
                            + ("lower model.d_model, model.n_layers, model.vocab_size or model.max_seq_len"
                               if state >= batch else "lower train.batch_size (or raise train.grad_accum)"))
 
