@@ -12,7 +12,7 @@ batches (``data_fraction`` in metrics.jsonl; target < 5%), over the steps after 
 first batch draws the task's training pool once).
 
     python benchmarks/train_throughput.py [--d-model 256 --layers 4 --heads 4 --seq-len 256 --batch 16]
-        [--rounds 5 --steps 5] [--threads N] [--device cpu|cuda] [--engine-steps 20] [--skip-engine]
+        [--rounds 5 --steps 5] [--threads N] [--device cpu|cuda] [--engine-steps 20 (even)] [--skip-engine]
 """
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def model_comparison(args: argparse.Namespace) -> None:
 
 
 def engine(args: argparse.Namespace) -> None:
-    window = max(1, args.engine_steps // 2)
+    window = args.engine_steps // 2
     print(f"engine: example task configs as shipped, {args.engine_steps} steps, figures over steps "
           f"{window + 1}-{args.engine_steps}")
     print(f"  {'config':<18} {'tokens/s':>10} {'data %':>7} {'1st window data %':>18}")
@@ -147,6 +147,8 @@ def main() -> None:
     parser.add_argument("--engine-steps", type=int, default=20)
     parser.add_argument("--skip-engine", action="store_true")
     args = parser.parse_args()
+    if args.engine_steps < 2 or args.engine_steps % 2:  # metrics.jsonl also records the last step
+        parser.error("--engine-steps must be an even number >= 2: two equal windows, the second one measured")
     if importlib.util.find_spec("x_transformers") is None:  # the baseline is an optional extra: say how to get it
         raise SystemExit("benchmarks/train_throughput.py needs x-transformers, the baseline it measures against: "
                          "POSLAB_EXTRAS=dev,bench bash scripts/setup.sh (or pip install -e '.[bench]')")
