@@ -258,6 +258,10 @@ def test_checkpoints_of_other_poslab_versions(tmp_path, runs, reliability):
     assert code == 2 and err.count("\n") == 1, err
     assert (f"was written by poslab 9.0.0 in checkpoint format {ckpt.FORMAT + 1}; poslab {poslab.__version__} "
             f"reads format {ckpt.FORMAT}: continue the run with poslab 9.0.0") in err
+    # A copy edited to another format under this very version: not "continue with" the version that refuses.
+    _rewrite_state(run / "checkpoints/last", poslab_version=poslab.__version__)
+    code, _, err = cli("train", str(config), "--out", str(run), "--resume")
+    assert code == 2 and f"continue the run with a poslab that reads format {ckpt.FORMAT + 1}, or start" in err, err
     # Another version writing the same format: resumed, with a note.
     run = copy_of(three, tmp_path / "older")
     _rewrite_state(run / "checkpoints/last", poslab_version="0.0.9")

@@ -437,8 +437,10 @@ def _check_format(path: Path, state: dict[str, Any]) -> None:
 
     if state.get("format") != FORMAT:
         writer = state.get("poslab_version", "an older version")
+        # A copy edited by hand can name this very version: then only a release that reads its format helps.
+        other = f"poslab {writer}" if writer != __version__ else f"a poslab that reads format {state.get('format')}"
         raise CheckpointError(f"{path} was written by poslab {writer} in checkpoint format {state.get('format')}; "
-                              f"poslab {__version__} reads format {FORMAT}: continue the run with poslab {writer}, "
+                              f"poslab {__version__} reads format {FORMAT}: continue the run with {other}, "
                               "or start a new run")
 
 
