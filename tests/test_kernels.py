@@ -328,6 +328,26 @@ def _run_checks(names: list[str]) -> dict:
     return report
 
 
+@_check
+def check_a_models_launch_plan_matches_reference(attention):
+    """PolarLayer reads a forward's positions and padding once (_launch_plan) and launches past the checks
+    (launch_checked): for a right-padded batch at shifted positions the kernel gives the reference's answer."""
+    from poslab.kernels.pope_flash import launch_checked
+    from poslab.positional.pope import _launch_plan
+
+    positions = torch.arange(5, 5 + 29)[None]
+    padding = (torch.arange(29)[None] < torch.tensor([[29], [12]])).long()
+    plan = _launch_plan(positions, positions, padding)
+
+    def through_plan(q, k, v, delta, *, causal, **reference_only):
+        q_start, k_start = (torch.full((q.shape[0],), start, dtype=torch.int32) for start in plan.starts)
+        return launch_checked(q, k, v, delta, base=10000.0, causal=causal, scale=None, q_start=q_start,
+                              k_start=k_start, seq_lens=plan.seq_lens)
+
+    for causal in (True, False):
+        _compare(through_plan, nq=29, causal=causal, q_start=5, k_start=5, seq_lens=torch.tensor([29, 12]))
+
+
 # ----- pytest side -----
 
 def _interpreter_run(names: list[str]) -> dict:

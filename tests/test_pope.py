@@ -237,12 +237,75 @@ def test_ablation_magnitudes_survive_from_pretrained_and_leave_the_fused_kernel(
     torch.testing.assert_close(loaded(x).logits, model(x).logits)
 
     monkeypatch.setattr(kernels, "fused_pope_supports", lambda q, *kv, starts=(): True)
-    monkeypatch.setattr(flash, "pope_flash_attention", lambda *args, **kwargs: "fused")
-    cuda_like, pos = SimpleNamespace(is_cuda=True), torch.arange(9)[None]
+    monkeypatch.setattr(flash, "launch_checked", lambda *args, **kwargs: "fused")
+    cuda_like, pos = SimpleNamespace(is_cuda=True, shape=(1, 2, 9, 16), device="cpu"), torch.arange(9)[None]
     for magnitude, expected in [("softplus", "fused"), ("relu", None), ("identity", None)]:
         layer = pope_model("auto", magnitude=magnitude).model.layer_positional[0]
         assert layer.fused_attention(cuda_like, None, None, pos, pos, causal=True, scale=1.0,
                                      key_padding=None) == expected, magnitude
+
+
+def _right_padding(lengths, n):
+    return (torch.arange(n)[None] < torch.tensor(lengths)[:, None]).long()
+
+
+@pytest.mark.parametrize("q_pos,k_pos,padding,expected", [
+    (torch.arange(9)[None], None, None, ((0, 0), None)),
+    (torch.arange(7, 16)[None], None, _right_padding([9, 4], 9), ((7, 7), [9, 4])),
+    (torch.arange(3, 5)[None], torch.arange(5)[None], None, ((3, 0), None)),  # new queries after cached keys
+    (torch.arange(9)[None], None, 1 - _right_padding([9, 4], 9), None),  # left padding
+    (torch.arange(9)[None], None, _right_padding([9, 0], 9), ((0, 0), [9, 0])),
+    (torch.arange(9)[None].expand(2, 9), None, None, None),  # a row per batch entry
+    (torch.tensor([[0, 1, 2, 4]]), None, None, None),
+    (torch.arange(9)[None], torch.tensor([[0, 1, 1, 2, 3, 4, 5, 6, 7]]), None, None),
+    (torch.arange(0, 18, 2)[None], None, None, None),
+])
+def test_the_kernel_takes_positions_that_count_up_and_right_padding(q_pos, k_pos, padding, expected):
+    from poslab.positional.pope import _launch_plan
+
+    plan = _launch_plan(q_pos, q_pos if k_pos is None else k_pos, padding)
+    if expected is None:
+        assert plan is None
+    else:
+        assert plan.starts == expected[0]
+        assert (plan.seq_lens is None if expected[1] is None
+                else plan.seq_lens.dtype == torch.int32 and plan.seq_lens.tolist() == expected[1])
+
+
+def test_a_forward_reads_positions_and_padding_once_for_every_layer(monkeypatch):
+    """Reading positions and padding costs a host sync: the layers of one forward share the answer, and a new
+    tensor or one changed in place is read again. Inference tensors, which have no version, are read each time."""
+    from types import SimpleNamespace
+
+    import poslab.kernels as kernels
+    pytest.importorskip("triton")
+    import poslab.kernels.pope_flash as flash
+    import poslab.positional.pope as pope
+
+    reads, launches = [], []
+    read = pope._read_plan
+    monkeypatch.setattr(pope, "_read_plan", lambda *args: reads.append(1) or read(*args))
+    monkeypatch.setattr(kernels, "fused_pope_supports", lambda q, *kv, starts=(): True)
+    monkeypatch.setattr(flash, "launch_checked", lambda *args, **kwargs: launches.append(kwargs) or "fused")
+    layers = poslab.build_model({"arch": "decoder", "vocab_size": 40, "d_model": 32, "n_heads": 2, "n_layers": 4,
+                                 "positional": {"name": "pope"}}).model.layer_positional
+    q = SimpleNamespace(is_cuda=True, shape=(2, 2, 9, 16), device="cpu")
+
+    def forward(pos, padding):
+        return [layer.fused_attention(q, None, None, pos, pos, causal=True, scale=1.0, key_padding=padding)
+                for layer in layers]
+
+    pos, padding = torch.arange(3, 12)[None], _right_padding([9, 5], 9)
+    assert forward(pos, padding) == ["fused"] * 4 and len(reads) == 1
+    assert forward(pos, padding) == ["fused"] * 4 and len(reads) == 1  # the same tensors: the same answer
+    assert [kw["q_start"].tolist() for kw in launches] == [[3, 3]] * 8
+    assert all(kw["seq_lens"].tolist() == [9, 5] for kw in launches)
+    padding[1, 7] = 1  # changed in place: read again, and now a hole the kernel cannot take
+    assert forward(pos, padding) == [None] * 4 and len(reads) == 2
+    assert forward(torch.arange(3, 12)[None], None) == ["fused"] * 4 and len(reads) == 3
+    with torch.inference_mode():
+        pos = torch.arange(9)[None]
+        assert forward(pos, None) == ["fused"] * 4 and len(reads) == 7
 
 
 def test_the_kernel_is_offered_only_k_and_v_of_qs_dtype_and_width(monkeypatch):

@@ -711,17 +711,32 @@ def pope_flash_attention(
     require(span < ROW_SPAN_LIMIT, f"one (batch, head) slice of q, k or v spans {span} elements, past the fused "
             "kernel's 32-bit row offsets; make q, k, v contiguous as (batch, heads, n, d), shorten the sequence "
             "or use attn_backend 'sdpa'")
-    nk = k.shape[2]
     q_start_t = _per_batch(q_start, b, "q_start", q.device)
     k_start_t = _per_batch(k_start, b, "k_start", q.device)
+    if seq_lens is not None:
+        seq_lens = _per_batch(seq_lens, b, "seq_lens", q.device)
+        require(bool(((seq_lens >= 0) & (seq_lens <= k.shape[2])).all()),
+                f"seq_lens must lie in [0, {k.shape[2]}] (the key length)")
+    return launch_checked(q, k, v, delta, base=base, causal=causal, scale=scale, q_start=q_start_t,
+                          k_start=k_start_t, seq_lens=seq_lens)
+
+
+def launch_checked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delta: torch.Tensor | None, *, base: float, causal: bool,
+    scale: float | None, q_start: torch.Tensor, k_start: torch.Tensor, seq_lens: torch.Tensor | None,
+) -> torch.Tensor:
+    """``pope_flash_attention`` past its checks, for a caller that made them: q_start, k_start and seq_lens
+    are (batch,) int32 tensors on q's device. Checking a tensor's values costs a host sync, which a model
+    pays once per forward (PolarLayer), not once per layer."""
+    b, h, nq, d = q.shape
+    nk = k.shape[2]
     if seq_lens is None:
         k_len = torch.full((b,), nk, device=q.device, dtype=torch.int32)
         q_len = torch.full((b,), nq, device=q.device, dtype=torch.int32)
     else:
-        k_len = _per_batch(seq_lens, b, "seq_lens", q.device)
-        require(bool(((k_len >= 0) & (k_len <= nk)).all()), f"seq_lens must lie in [0, {nk}] (the key length)")
+        k_len = seq_lens
         # a query at or past the end of the valid keys is padding
-        q_len = (k_start_t + k_len - q_start_t).clamp(0, nq).to(torch.int32)
+        q_len = (k_start + k_len - q_start).clamp(0, nq).to(torch.int32)
     turns, turns32 = _turns(d, float(base), q.device)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
@@ -729,5 +744,5 @@ def pope_flash_attention(
     # Triton launches on the current CUDA device, not the inputs' (inputs on cuda:1 while cuda:0 is current
     # fail); autograd runs the backward on the inputs' device by itself.
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        return _PopeFlash.apply(q, k, v, delta_f, turns, turns32, q_start_t, k_start_t, k_len, q_len, bool(causal),
+        return _PopeFlash.apply(q, k, v, delta_f, turns, turns32, q_start, k_start, k_len, q_len, bool(causal),
                                 scale)

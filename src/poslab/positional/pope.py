@@ -18,6 +18,8 @@ would stay frozen at 0 for good (81-98% of the components of quick-scale indirec
 from __future__ import annotations
 
 import math
+import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -96,32 +98,76 @@ class PolarLayer(LayerPositional):
     def fused_attention(self, q, k, v, q_pos, k_pos, *, causal, scale, key_padding):
         from poslab.kernels import fused_pope_supports
 
-        # The kernel takes positions as start offsets, so it serves position rows shared by the batch
-        # that count up by one; anything else goes the Cartesian way. It computes softplus and its
-        # derivative itself, so the ablations' magnitudes go that way too.
-        if (self.magnitude != "softplus" or not q.is_cuda or not fused_pope_supports(q)
-                or not (_is_range(q_pos) and _is_range(k_pos))):
+        # The kernel computes softplus and its derivative itself, so the ablations' magnitudes go the Cartesian
+        # way; so do positions and padding it cannot take (_launch_plan), and inputs past its launch limits.
+        if self.magnitude != "softplus" or not q.is_cuda:
             return None
-        starts = int(q_pos[0, 0]), int(k_pos[0, 0])
-        if not fused_pope_supports(q, k, v, starts=starts):  # past the kernel's launch limits: SDPA serves it
+        plan = _launch_plan(q_pos, k_pos, key_padding)
+        if plan is None or not fused_pope_supports(q, k, v, starts=plan.starts):
             return None
-        from poslab.kernels.pope_flash import pope_flash_attention
+        from poslab.kernels.pope_flash import launch_checked
 
-        seq_lens = None
-        if key_padding is not None:
-            seq_lens = key_padding.sum(-1).to(torch.int32)
-            right_padded = torch.arange(key_padding.shape[1], device=q.device)[None] < seq_lens[:, None]
-            if not torch.equal(key_padding.bool(), right_padded):  # the kernel's seq_lens mean right padding
-                return None
-        return pope_flash_attention(
-            q, k, v, self.delta, base=self.base, causal=causal, scale=scale,
-            q_start=starts[0], k_start=starts[1], seq_lens=seq_lens,
-        )
+        q_start, k_start = (torch.full((q.shape[0],), start, device=q.device, dtype=torch.int32)
+                            for start in plan.starts)
+        return launch_checked(q, k, v, self.delta, base=self.base, causal=causal, scale=scale, q_start=q_start,
+                              k_start=k_start, seq_lens=plan.seq_lens)
 
 
-def _is_range(pos: torch.Tensor) -> bool:
-    """pos (1, n) equals start, start + 1, ..., start + n - 1."""
-    return pos.shape[0] == 1 and torch.equal(pos[0], pos[0, 0] + torch.arange(pos.shape[1], device=pos.device))
+@dataclass(frozen=True)
+class _LaunchPlan:
+    """Positions and padding as the fused kernel takes them: the start positions of queries and keys, and
+    the valid keys per row, (batch,) int32 counted from the left (right padding), or None without padding."""
+
+    starts: tuple[int, int]
+    seq_lens: torch.Tensor | None
+
+
+# The last answer of _launch_plan: weak references to the tensors it read, with their versions, and the plan.
+_last_plan: tuple = (None, None)
+
+
+def _launch_plan(q_pos: torch.Tensor, k_pos: torch.Tensor, key_padding: torch.Tensor | None) -> _LaunchPlan | None:
+    """The fused kernel's view of q_pos (1, n), k_pos (1, m) and key_padding (batch, m), or None when it has
+    none: the kernel takes positions as start offsets, so rows shared by the batch that count up by one, and
+    padding on the right only.
+
+    Reading the values costs a host sync. Every layer of a forward asks about the same tensors, so the last
+    answer is kept for the same tensor objects at the same versions (a new tensor, or one changed in place, is
+    read again): one sync per forward instead of several per layer."""
+    global _last_plan
+    tensors = (q_pos, k_pos, key_padding)
+    if any(t is not None and t.is_inference() for t in tensors):  # inference tensors have no version counter
+        return _read_plan(*tensors)
+    kept, plan = _last_plan
+    if kept is not None and all(_same(ref, t) for ref, t in zip(kept, tensors)):
+        return plan
+    plan = _read_plan(*tensors)
+    _last_plan = tuple(None if t is None else (weakref.ref(t), t._version) for t in tensors), plan
+    return plan
+
+
+def _same(ref: tuple | None, t: torch.Tensor | None) -> bool:
+    return t is None if ref is None else (ref[0]() is t and ref[1] == t._version)
+
+
+def _read_plan(q_pos, k_pos, key_padding) -> _LaunchPlan | None:
+    """_launch_plan's answer, read off the device in one sync."""
+    if q_pos.shape[0] != 1 or k_pos.shape[0] != 1 or 0 in (q_pos.shape[1], k_pos.shape[1]):
+        return None
+    checks = [_counts_up(q_pos)] + ([] if k_pos is q_pos else [_counts_up(k_pos)])
+    seq_lens = None
+    if key_padding is not None:
+        seq_lens = key_padding.sum(-1).to(torch.int32)
+        right_padded = torch.arange(key_padding.shape[1], device=key_padding.device)[None] < seq_lens[:, None]
+        checks.append((key_padding.bool() == right_padded).all())
+    starts = torch.stack([q_pos[0, 0], k_pos[0, 0]]).long()
+    q_start, k_start, *ok = torch.cat([starts, torch.stack(checks).long()]).tolist()
+    return _LaunchPlan((q_start, k_start), seq_lens) if all(ok) else None
+
+
+def _counts_up(pos: torch.Tensor) -> torch.Tensor:
+    """Whether pos (1, n) is start, start + 1, ..., start + n - 1, as a 0-dim bool tensor."""
+    return (pos[0] == pos[0, 0] + torch.arange(pos.shape[1], device=pos.device)).all()
 
 
 class PoPE(Scheme):
