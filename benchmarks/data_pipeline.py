@@ -6,7 +6,8 @@
    (no [CLS]/[SEP]), which both pipelines produce identically. Target ratio >= 1.0. Reported on wall
    time and on process CPU time (all threads): on a machine shared with other jobs the wall ratio drifts
    with the load, CPU time measures the work each pipeline does.
-   Tokens/s are medians over the repeats; ratios are medians of interleaved (baseline, ours) pairs.
+   Tokens/s are medians over the repeats; ratios are medians of interleaved (baseline, ours) pairs. Then
+   each stage of ours alone (read and segment, join, tokenise, label): where its time goes.
 2. Training wait: the fraction of step time a training loop (small encoder, AdamW) blocks in
    ``train_batch`` waiting for its batch when the next step's batch is prefetched (the default), and for
    comparison the time building a batch inline would take.
@@ -31,11 +32,12 @@ import tempfile
 import time
 from pathlib import Path
 from statistics import median
+from typing import Any
 
 import torch
 
 from poslab.data import DataConfig, build_mlm_source, prepare
-from poslab.data.sources import document_text
+from poslab.data.sources import document_text, open_source
 from poslab.data.synthetic import SyntheticCorpus
 
 
@@ -53,8 +55,8 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def timed(fn, *args) -> tuple[float, float, int]:
-    """(wall seconds, CPU seconds, tokens) of fn(*args) -> tokens.
+def timed(fn, *args) -> tuple[float, float, Any]:
+    """(wall seconds, CPU seconds, value) of fn(*args) -> value (a pipeline's tokens).
 
     Collects garbage first: objects left over from earlier runs otherwise trigger a full collection of
     this process's heap (torch, transformers and datasets: ~0.2 s) inside every other run, charged to
@@ -109,6 +111,32 @@ def same_tokens(prepared: Path, corpus: Path, tokenizer: Path, cache: Path) -> b
                 return False
             seen += 1
     return seen == len(ids)
+
+
+def stages(corpus: Path, tokenizer: Path) -> dict[str, tuple[float, float]]:
+    """(wall, CPU) seconds of each stage of ``prepare``, run alone over the whole corpus in prepare's batches:
+    where its time goes, and which stage the baseline shares (tokenisation)."""
+    from poslab.data.preparation import label_documents
+    from poslab.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer)
+    tok.encode_special_tokens = True  # as prepare sets it
+    config = DataConfig.from_options({"source": {"type": "jsonl", "paths": str(corpus)}})
+    source, size = open_source(config.source), config.batch_documents
+    times = {}
+
+    def stage(name: str, fn):
+        wall, cpu, value = timed(fn)
+        times[name] = (wall, cpu)
+        return value
+
+    docs = stage("read + segment into sentences", lambda: list(source.documents()))
+    laid = stage("join sentences into text", lambda: [document_text(d) for d in docs])
+    batches = [laid[i:i + size] for i in range(0, len(laid), size)]
+    encoded = stage("tokenize (encode_batch)", lambda: [tok.encode_batch([text for text, _, _ in b],
+                                                                          add_special_tokens=False) for b in batches])
+    stage("label sentences", lambda: [label_documents(b, e, 0) for b, e in zip(batches, encoded)])
+    return times
 
 
 def _encoder(vocab_size: int, seq_len: int) -> torch.nn.Module:
@@ -229,6 +257,7 @@ def main() -> None:
         assert same_tokens(root / "ours", corpus, tokenizer, root / "hf-cache"), "the pipelines tokenized differently"
         n = tokens.pop()
         wait = step_wait(root / "ours", args.batch, args.seq_len, args.steps)
+        parts = stages(corpus, tokenizer)
         print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average (1 min) "
               f"{load:.1f} at start, {os.getloadavg()[0]:.1f} at end; corpus {size / 1e6:.1f} MB, {n} tokens, "
               f"{args.repeats} interleaved pairs")
@@ -240,6 +269,8 @@ def main() -> None:
             ratios = sorted(b[column] / o[column] for o, b in zip(ours, base))
             print(f"ratio ours / baseline, {name:8s}: {median(ratios):.2f}x median of pairs "
                   f"(range {ratios[0]:.2f}-{ratios[-1]:.2f}; target >= 1.0)")
+        print("stages of prepare, each alone (wall s, CPU s): " + ", ".join(
+            f"{name} {wall:.2f}, {cpu:.2f}" for name, (wall, cpu) in parts.items()))
         print(f"training wait: {100 * wait['wait_fraction']:.2f}% of step time blocked on the next batch with prefetch "
               f"(mean {wait['wait_ms']:.2f} ms, max {wait['wait_max_ms']:.2f} ms per {wait['step_ms']:.0f} ms step, "
               f"{wait['steps']} steps, batch {args.batch} x {args.seq_len}, 2-layer d128 encoder); building inline "
