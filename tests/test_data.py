@@ -626,6 +626,23 @@ def test_existing_output_needs_force(prepared, tmp_path):
     assert json.loads((out / "manifest.json").read_text())["documents_read"] == 40 and _siblings(out) == ["d"]
 
 
+def test_a_force_that_fails_at_its_last_rename_keeps_the_old_copy(tmp_path, monkeypatch):
+    """--force moves the old directory aside, then renames the new one into place: an interrupt between the two
+    left neither (the old one under a hidden name, the new one deleted)."""
+    out = tmp_path / "d"
+    prepare(_config(source={**SYNTH, "documents": 30}), out)
+    rename = Path.rename
+
+    def interrupted(self, target):
+        if self.name.startswith(".d.tmp-"):
+            raise KeyboardInterrupt
+        return rename(self, target)
+    monkeypatch.setattr(Path, "rename", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(_config(source={**SYNTH, "documents": 40}), out, force=True)
+    assert json.loads((out / "manifest.json").read_text())["documents_read"] == 30 and _siblings(out) == ["d"]
+
+
 def test_force_replaces_only_an_empty_or_prepared_directory(tmp_path):
     """A mistyped --out with --force is refused before anything is read or written, not deleted."""
     (tmp_path / "notes.txt").write_text("keep me")

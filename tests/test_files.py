@@ -44,3 +44,28 @@ def test_a_written_file_has_the_mode_a_plain_write_would_have(tmp_path, monkeypa
         os.umask(old)
     written = atomic_write_text(tmp_path / "config.yaml", "seed: 0\n")
     assert stat.S_IMODE(written.stat().st_mode) == stat.S_IMODE(plain.stat().st_mode) == 0o666 & ~umask
+
+
+def test_a_wait_for_a_lock_that_is_interrupted_closes_its_descriptor(tmp_path):
+    """Ctrl-C while blocked in take_lock's flock left the lock file's descriptor open for good (a long-lived
+    process using the library collects them)."""
+    import signal
+
+    from poslab.files import release_lock, take_lock
+
+    path = tmp_path / "lock"
+    holder = take_lock(path)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    before = sorted(os.listdir("/proc/self/fd"))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(KeyboardInterrupt):
+            take_lock(path, waiting=lambda: None)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert sorted(os.listdir("/proc/self/fd")) == before
+    release_lock(path, holder)

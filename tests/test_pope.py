@@ -259,6 +259,9 @@ def _right_padding(lengths, n):
     (torch.tensor([[0, 1, 2, 4]]), None, None, None),
     (torch.arange(9)[None], torch.tensor([[0, 1, 1, 2, 3, 4, 5, 6, 7]]), None, None),
     (torch.arange(0, 18, 2)[None], None, None, None),
+    (torch.arange(3)[None], None, torch.tensor([[1, 1, 2]]), None),  # would count 4 valid keys of 3
+    (torch.arange(3)[None], None, torch.tensor([[1.0, 1.0, 0.0]]), ((0, 0), [2])),
+    (torch.arange(3)[None], None, torch.tensor([[True, False, False]]), ((0, 0), [1])),
 ])
 def test_the_kernel_takes_positions_that_count_up_and_right_padding(q_pos, k_pos, padding, expected):
     from poslab.positional.pope import _launch_plan
@@ -303,9 +306,10 @@ def test_a_forward_reads_positions_and_padding_once_for_every_layer(monkeypatch)
     padding[1, 7] = 1  # changed in place: read again, and now a hole the kernel cannot take
     assert forward(pos, padding) == [None] * 4 and len(reads) == 2
     assert forward(torch.arange(3, 12)[None], None) == ["fused"] * 4 and len(reads) == 3
+    assert forward(pos, _right_padding([9], 9)) == [None] * 4  # padding rows for another batch than q's
     with torch.inference_mode():
         pos = torch.arange(9)[None]
-        assert forward(pos, None) == ["fused"] * 4 and len(reads) == 7
+        assert forward(pos, None) == ["fused"] * 4 and len(reads) == 8
 
 
 def test_the_kernel_is_offered_only_k_and_v_of_qs_dtype_and_width(monkeypatch):

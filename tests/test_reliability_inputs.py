@@ -651,6 +651,22 @@ def test_a_closed_output_pipe_stops_quietly():
     assert process.returncode == 141 and err == b"", err
 
 
+@pytest.mark.parametrize("world_size", ["1", "2"])
+def test_an_error_with_stdout_closed_is_one_line(tmp_path, world_size):
+    """Started with descriptor 1 closed, Python's sys.stdout is None: flushing it on the way out raised an
+    AttributeError, a second traceback and exit 1, alone and under torchrun's leaving path (WORLD_SIZE > 1)."""
+    import os
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "poslab", "data", "prepare", str(tmp_path / "missing.yaml"), "--out",
+               str(tmp_path / "out")]
+    done = subprocess.run(command, stderr=subprocess.PIPE, text=True, preexec_fn=lambda: os.close(1),
+                          env={**os.environ, "WORLD_SIZE": world_size})
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_another_broken_pipe_is_an_error(monkeypatch, capsys):
     """Only stdout's reader leaving is quiet: a pipe to a worker or a socket that breaks is reported."""
     import argparse

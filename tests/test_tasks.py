@@ -280,6 +280,10 @@ def test_no_two_random_streams_coincide():
             for coordinates in [(), (0,), (3,), (0, 0), (3, 0), (0, 3, 0), (0, 3), (2**32,), (0, 1), (1, 2**32)]]
     draws = {key: stream_rng(*key).integers(2**63) for key in keys}
     assert len(set(draws.values())) == len({(k[0], *k[1:], *(0,) * (4 - len(k))) for k in keys})
+    # a value past 2^64 would take three words: ("order", 2**64, e) would be ("order", 0, 1 + (e << 32))
+    for coordinates in [(2**64, 0), (0, -1)]:
+        with pytest.raises(ConfigError, match=r"task stream coordinates must lie in \[0, 2\^64\)"):
+            stream_rng("order", *coordinates)
 
 
 @pytest.mark.parametrize("train_size", [None, 50])

@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     code = _main(argv)
     try:
-        sys.stdout.flush()  # here, not at exit, where a closed pipe would print "Exception ignored ..."
+        if sys.stdout is not None:  # None: started with its descriptor closed
+            sys.stdout.flush()  # here, not at exit, where a closed pipe would print "Exception ignored ..."
     except BrokenPipeError:
         _drop_stdout()
         return code or CLOSED_PIPE
@@ -106,7 +107,7 @@ def _failed() -> int:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
-            except (OSError, ValueError):  # a closed pipe or stream: nothing more to say there
+            except (OSError, ValueError, AttributeError):  # a closed pipe, stream or descriptor (None)
                 pass
         os._exit(2)
     return 2

@@ -87,9 +87,13 @@ def take_lock(path: Path, waiting: Callable[[], object] | None = None) -> int | 
             if waiting is None:
                 os.close(fd)
                 return None
-            waiting()
-            waiting = lambda: None  # noqa: E731 -- said once
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            say, waiting = waiting, (lambda: None)  # said once
+            try:
+                say()
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except BaseException:  # interrupted while waiting (Ctrl-C): the descriptor is no one's
+                os.close(fd)
+                raise
         # The previous holder unlinks the file as it releases: if that happened before our flock (the path is
         # gone or is a new file), we hold a lock on a file no one else will open, so start again on the new one.
         with contextlib.suppress(FileNotFoundError):

@@ -318,7 +318,11 @@ def prepare(config: DataConfig, out: str | Path, *, force: bool = False,
         if force and out.exists():
             old = out.parent / f".{out.name}.old-{secrets.token_hex(4)}"
             out.rename(old)
-            tmp.rename(out)
+            try:
+                tmp.rename(out)
+            except BaseException:  # the replaced copy comes back: a failed --force loses nothing
+                old.rename(out)
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             _rename_new(tmp, out)

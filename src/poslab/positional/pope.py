@@ -103,14 +103,16 @@ class PolarLayer(LayerPositional):
         if self.magnitude != "softplus" or not q.is_cuda:
             return None
         plan = _launch_plan(q_pos, k_pos, key_padding)
-        if plan is None or not fused_pope_supports(q, k, v, starts=plan.starts):
+        if (plan is None or not fused_pope_supports(q, k, v, starts=plan.starts)
+                or plan.seq_lens is not None and plan.seq_lens.shape != (q.shape[0],)):
             return None
         from poslab.kernels.pope_flash import launch_checked
 
         q_start, k_start = (torch.full((q.shape[0],), start, device=q.device, dtype=torch.int32)
                             for start in plan.starts)
+        seq_lens = None if plan.seq_lens is None else plan.seq_lens.to(q.device)
         return launch_checked(q, k, v, self.delta, base=self.base, causal=causal, scale=scale, q_start=q_start,
-                              k_start=k_start, seq_lens=plan.seq_lens)
+                              k_start=k_start, seq_lens=seq_lens)
 
 
 @dataclass(frozen=True)
@@ -129,11 +131,12 @@ _last_plan: tuple = (None, None)
 def _launch_plan(q_pos: torch.Tensor, k_pos: torch.Tensor, key_padding: torch.Tensor | None) -> _LaunchPlan | None:
     """The fused kernel's view of q_pos (1, n), k_pos (1, m) and key_padding (batch, m), or None when it has
     none: the kernel takes positions as start offsets, so rows shared by the batch that count up by one, and
-    padding on the right only.
+    padding of 0s and 1s on the right only.
 
     Reading the values costs a host sync. Every layer of a forward asks about the same tensors, so the last
-    answer is kept for the same tensor objects at the same versions (a new tensor, or one changed in place, is
-    read again): one sync per forward instead of several per layer."""
+    answer is kept for the same tensor objects at the same versions: a new tensor, or one changed in place, is
+    read again; one changed behind autograd's version counter (through ``.data`` or a NumPy view) is not, as
+    autograd does not see it either. One sync per forward instead of several per layer."""
     global _last_plan
     tensors = (q_pos, k_pos, key_padding)
     if any(t is not None and t.is_inference() for t in tensors):  # inference tensors have no version counter
@@ -159,7 +162,8 @@ def _read_plan(q_pos, k_pos, key_padding) -> _LaunchPlan | None:
     if key_padding is not None:
         seq_lens = key_padding.sum(-1).to(torch.int32)
         right_padded = torch.arange(key_padding.shape[1], device=key_padding.device)[None] < seq_lens[:, None]
-        checks.append((key_padding.bool() == right_padded).all())
+        # 0s and 1s, or a row could count more valid keys than there are
+        checks.append((key_padding == right_padded).all())
     starts = torch.stack([q_pos[0, 0], k_pos[0, 0]]).long()
     q_start, k_start, *ok = torch.cat([starts, torch.stack(checks).long()]).tolist()
     return _LaunchPlan((q_start, k_start), seq_lens) if all(ok) else None

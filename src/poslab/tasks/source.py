@@ -55,6 +55,9 @@ def stream_rng(stream: str, *coordinates: int) -> np.random.Generator:
     [data_seed, 3] and [data_seed, 3, 0, 0] seed one stream (validation and the first training batch of seed
     3). Every key here is eight 32-bit words, the stream's number first, so distinct keys are distinct streams.
     """
+    # A value past 2^64 would take more than two words and meet another key's
+    require(all(0 <= value < 2**64 for value in coordinates),
+            f"task stream coordinates must lie in [0, 2^64), got {coordinates}")
     values = (STREAMS[stream], *coordinates, *(0,) * (COORDINATES - len(coordinates)))
     return np.random.default_rng([word for value in values for word in (value & 0xFFFFFFFF, value >> 32)])
 
