@@ -189,7 +189,7 @@ def test_a_rank_failing_alone_leaves_at_once(tmp_path, capfd):
     """Its error's traceback held DDP's reducer: freed on leaving the CLI's handler, the process group's
     destructor joined gloo's worker threads with the GIL held while one waited for the GIL, and the rank hung
     (about one failure in four), so torchrun never learned of it. It now leaves by os._exit once the error is
-    printed: exit 2, the trainer never freed."""
+    printed: exit 2, the trainer never freed. The rank left waiting in a collective says so in one line, exit 2."""
     import multiprocessing
 
     import yaml
@@ -204,7 +204,12 @@ def test_a_rank_failing_alone_leaves_at_once(tmp_path, capfd):
         ranks[1].join(120)
         assert ranks[1].exitcode == 2, f"rank 1: exit code {ranks[1].exitcode} (None: still running, hung)"
         assert not (tmp_path / "trainer freed").exists()
-        assert "poslab: error: a shard this rank cannot read" in capfd.readouterr().err
+        # Rank 0's all-reduce fails once rank 1 has gone: one line from it too, not gloo's traceback.
+        ranks[0].join(120)
+        err = capfd.readouterr().err
+        assert "poslab: error: a shard this rank cannot read" in err
+        assert ranks[0].exitcode == 2 and "Traceback" not in err, err
+        assert "poslab: error: a collective operation with the other processes of this job failed" in err
     finally:
         for process in ranks:  # rank 0 waits in its all-reduce: torchrun's agent would stop it
             process.kill()

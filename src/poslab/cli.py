@@ -9,6 +9,7 @@ import io
 import os
 import select
 import sys
+import traceback
 
 import torch  # every command imports it anyway; here only for its OutOfMemoryError
 
@@ -83,7 +84,12 @@ def _main(argv: list[str] | None) -> int:
         _out_of_memory(err)
         return _failed()
     except RuntimeError as err:
-        # torch's CPU allocator reports a failed allocation as a plain RuntimeError; anything else is a bug.
+        # torch's CPU allocator reports a failed allocation as a plain RuntimeError; so does gloo a collective
+        # whose peer left (a rank that failed, and said why). Anything else is a bug.
+        if _peer_left(err):
+            _error("a collective operation with the other processes of this job failed, most likely because "
+                   f"another rank stopped (its own message says why): {cut((str(err).splitlines() or [''])[0])}")
+            return _failed()
         if CPU_ALLOCATOR not in str(err):
             raise
         _out_of_memory(err)
@@ -94,6 +100,15 @@ def _main(argv: list[str] | None) -> int:
         if launched_as_rank_zero():  # under torchrun every rank stops alike: one line, not one each
             print("poslab: interrupted" + (f"; {err}" if str(err) else ""), file=sys.stderr)
         return 130
+
+
+def _peer_left(err: RuntimeError) -> bool:
+    """Whether ``err`` came out of a torch.distributed call in a job of several processes."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    frames = traceback.extract_tb(err.__traceback__)
+    return isinstance(err, torch.distributed.DistError) or bool(frames) and (
+        f"torch{os.sep}distributed{os.sep}" in frames[-1].filename)
 
 
 def _failed() -> int:
