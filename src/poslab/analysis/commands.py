@@ -207,6 +207,8 @@ def probes(run: Run, opts: Options) -> dict:
         shuffled = {n: shuffle_tokens(caps[n], mask, seed=run.config.seed) for n in whole}
         cosine = [cosine_features(caps[n], mask, causal=run.causal) for n in whole]
         probed = mask & cosine[0][1]  # tokens with every cosine feature; both kinds probe the same ones
+        # Each hypothesis read where it is stated: the adjacency pattern in the residual stream, the variance in
+        # the attention outputs (causal attention averages fewer values at early positions).
         features = {"cosine": torch.cat([f for f, _ in cosine], -1),
                     "variance": torch.cat([variance_features(caps[n]) for n in attn], -1),
                     NULL_FEATURES: torch.cat([cosine_features(shuffled[n], mask, causal=run.causal)[0]

@@ -34,7 +34,8 @@ def cosine_self_similarity(h: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """C_ij = cos(h_i, h_j). h (..., n, d) -> (..., n, n) float64.
 
     float64 because the score ranks these values: states sharing a large component (an init mean of 4 or
-    8) have cosines within ~1e-6 of 1, where float32's rounding (~6e-8) would reorder them.
+    8) have cosines within ~1e-6 of 1, where float32's rounding (~6e-8) would reorder them. The states need
+    the precision too: the reproduction's initialisation ablation runs its models in float64.
     A zero vector has similarity 0 with everything (eps guards the norm), never NaN.
     Equal states (a repeated token at the embedding layer) get equal columns: the matrix product rounds each
     entry in its own order, which split 2% of such ties by the last bit, and the score counts a tie 1/2.

@@ -164,7 +164,11 @@ def structure_probes(run: Run, opts: Options) -> tuple[dict[str, dict[str, float
     inside the sequence.
 
     Second, what the last layer says of the sentence index beyond the token's position, which alone tells
-    much of it: R^2 from the position (one-hot) alone, and from the last layer's output together with it."""
+    much of it: R^2 from the position (one-hot) alone, and from the last layer's output together with it.
+
+    Every layer is read alike, as the residual stream after its block: the last layer's is the state before the
+    final norm. The sequences are split by the run's seed, so a mean over seeds (DSTG, AP-NeoBERT) is over
+    test splits too; the baselines trained once use seed 0's, the split the seed-0 models share."""
     batches = run.batches(opts.sequences, opts.batch_size)
     caps, batch = collect(run.model, batches, ["embed", "embed.*", "blocks.*.resid_post", "blocks.*.resid_post.*"])
     mask = batch["attention_mask"].bool()
