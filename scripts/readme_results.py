@@ -43,7 +43,11 @@ def section(data: dict, out: str) -> str:
         "seed with training seed 3's first batch): every task set is a new draw, which moved adjacency's and indirect "
         "indexing's 13 values and one verdict, the first attention layer's score after training, now held with "
         "addition at 0.836 where the previous draw gave 0.794: a draw moves each task's value by up to 0.04, so it "
-        "sits within a draw's spread of its threshold (FINDINGS.md, twenty-ninth session); a second run on that session's final code (1087 s) gave the same 33 values. The same recipe's time "
+        "sits within a draw's spread of its threshold (FINDINGS.md, twenty-ninth session); a second run on that session's final code (1087 s) gave the same 33 values. The thirtieth session runs "
+        "the initialisation ablation's models in float64 (float32's rounding had reordered the cosines of states a "
+        "large init mean points one way): its two mean claims' values moved (mean 4 0.791 -> 0.762, mean 8 0.754 -> "
+        "0.762, the largest mean drop 0.237 -> 0.228), their verdicts did not, and the other 31 values were the same "
+        "(FINDINGS.md, thirtieth session). The same recipe's time "
         "moves by about 10% between runs on this machine, from hour to hour.",
         "", *summary_table(data), ""])
 
